@@ -1,0 +1,247 @@
+"""The plan: which leaves (or row chunks of leaves) make up each subgroup, and each record's layout.
+
+A subgroup is a set of *pieces*: whole leaves, or row chunks along axis 0 of a leaf larger than the
+subgroup size. Its *view* is the user's full tree with ``None`` in place of every leaf outside the
+subgroup, so masks and per-leaf optimizers see the tree they were written for. The inner optimizer's
+state for a view is exactly ``inner.init(view)``; its flattened leaves (plus master params, if any)
+are laid out back to back, 64-byte aligned, in the subgroup's record payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+ALIGN = 64
+
+
+class LeafSpec(NamedTuple):
+    """A param leaf as the plan knows it: its tree path (for messages), shape and dtype."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+class Piece(NamedTuple):
+    """A whole leaf (``rows is None``) or rows ``[start, stop)`` along axis 0 of a leaf."""
+
+    leaf: int
+    rows: tuple[int, int] | None = None
+
+
+class Field(NamedTuple):
+    """One array inside a record payload."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class RecordLayout(NamedTuple):
+    """Where each state leaf and master leaf of a subgroup lives inside its record payload."""
+
+    state_treedef: Any
+    state_fields: tuple[Field, ...]
+    master_fields: tuple[Field, ...]
+    nbytes: int
+
+
+class Subgroup(NamedTuple):
+    """The unit of streaming: a few pieces and the layout of their record."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+    layout: RecordLayout
+
+
+class Plan(NamedTuple):
+    """The partition of one param tree for one inner optimizer."""
+
+    treedef: Any
+    leaves: tuple[LeafSpec, ...]
+    subgroups: tuple[Subgroup, ...]
+    master_dtype: np.dtype | None
+    layout_hash: bytes
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of all record payloads: the whole offloaded state."""
+        return sum(sg.layout.nbytes for sg in self.subgroups)
+
+
+def piece_shape(spec: LeafSpec, piece: Piece) -> tuple[int, ...]:
+    """The shape of a piece of the leaf ``spec``."""
+    if piece.rows is None:
+        return spec.shape
+    return (piece.rows[1] - piece.rows[0],) + spec.shape[1:]
+
+
+def take_piece(leaf: Any, piece: Piece) -> Any:
+    """The part of ``leaf`` that ``piece`` covers; works on arrays and tracers."""
+    return leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]]
+
+
+def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values: Sequence[Any]) -> Any:
+    """The user's tree with ``piece_values`` at their pieces' leaves and ``None`` elsewhere."""
+    leaves: list[Any] = [None] * num_leaves
+    for piece, value in zip(pieces, piece_values, strict=True):
+        leaves[piece.leaf] = value
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def build_view(plan: Plan, subgroup: Subgroup, piece_values: Sequence[Any]) -> Any:
+    """The view of ``subgroup``: see :func:`view_of`."""
+    return view_of(plan.treedef, len(plan.leaves), subgroup.pieces, piece_values)
+
+
+def _abstract_pieces(plan_leaves: Sequence[LeafSpec], pieces: Sequence[Piece], dtype: np.dtype | None) -> list:
+    return [
+        jax.ShapeDtypeStruct(piece_shape(plan_leaves[p.leaf], p), dtype or plan_leaves[p.leaf].dtype)
+        for p in pieces
+    ]
+
+
+def _tree_nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _layout(state_shapes: Any, master_shapes: Sequence[Any]) -> RecordLayout:
+    state_leaves, state_treedef = jax.tree_util.tree_flatten(state_shapes)
+    offset = 0
+    fields = []
+    for x in [*state_leaves, *master_shapes]:
+        field = Field(tuple(x.shape), np.dtype(x.dtype), offset)
+        fields.append(field)
+        offset = _align(offset + field.nbytes)
+    n_state = len(state_leaves)
+    return RecordLayout(state_treedef, tuple(fields[:n_state]), tuple(fields[n_state:]), offset)
+
+
+class _Estimator:
+    """Per-leaf bytes of optimizer state, from ``inner.init`` on one-leaf views (shapes only)."""
+
+    def __init__(self, inner: optax.GradientTransformation, treedef: Any, specs: Sequence[LeafSpec], master_dtype):
+        self._inner, self._treedef, self._specs, self._master_dtype = inner, treedef, specs, master_dtype
+        self._base = self._state_nbytes([])
+        self._by_signature: dict[tuple, int] = {}
+
+    def _state_nbytes(self, pieces: Sequence[Piece]) -> int:
+        values = _abstract_pieces(self._specs, pieces, self._master_dtype)
+        view = view_of(self._treedef, len(self._specs), pieces, values)
+        return _tree_nbytes(jax.eval_shape(self._inner.init, view))
+
+    def leaf_nbytes(self, index: int) -> int:
+        spec = self._specs[index]
+        signature = (spec.shape, spec.dtype)
+        if signature not in self._by_signature:
+            self._by_signature[signature] = self._state_nbytes([Piece(index)]) - self._base
+        master = math.prod(spec.shape) * self._master_dtype.itemsize if self._master_dtype else 0
+        return self._by_signature[signature] + master
+
+
+def _group_pieces(specs: Sequence[LeafSpec], estimator: _Estimator, subgroup_size: int) -> list[list[Piece]]:
+    """Greedy packing in tree order; a leaf above ``subgroup_size`` is cut into row chunks."""
+    groups: list[list[Piece]] = []
+    current: list[Piece] = []
+    current_bytes = 0
+    for index, spec in enumerate(specs):
+        nbytes = estimator.leaf_nbytes(index)
+        rows = spec.shape[0] if spec.shape else 1
+        if nbytes > subgroup_size and rows > 1:
+            if current:
+                groups.append(current)
+            rows_per_chunk = max(1, subgroup_size * rows // nbytes)
+            starts = range(0, rows, rows_per_chunk)
+            groups.extend([[Piece(index, (s, min(s + rows_per_chunk, rows)))] for s in starts][:-1])
+            last_start = starts[-1]
+            current = [Piece(index, (last_start, rows))]
+            current_bytes = nbytes * (rows - last_start) // rows
+            continue
+        if current and current_bytes + nbytes > subgroup_size:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(Piece(index))
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _hash_plan(treedef: Any, specs: Sequence[LeafSpec], subgroups: Sequence[Subgroup], master_dtype) -> bytes:
+    digest = hashlib.sha256()
+    digest.update(repr(treedef).encode())
+    digest.update(repr([(s.path, s.shape, str(s.dtype)) for s in specs]).encode())
+    digest.update(str(master_dtype).encode())
+    for sg in subgroups:
+        digest.update(repr(sg.pieces).encode())
+        digest.update(repr(sg.layout.state_treedef).encode())
+        digest.update(repr([(f.shape, str(f.dtype), f.offset) for f in sg.layout.state_fields]).encode())
+        digest.update(repr([(f.shape, str(f.dtype), f.offset) for f in sg.layout.master_fields]).encode())
+    return digest.digest()[:16]
+
+
+def make_plan(
+    params: Any,
+    inner: optax.GradientTransformation,
+    subgroup_size: int,
+    master_dtype: np.dtype | None = None,
+) -> Plan:
+    """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
+
+    Only shapes and dtypes are used: nothing is computed or allocated.
+
+    Args:
+      params: the param pytree (arrays or ``jax.ShapeDtypeStruct``s).
+      inner: the element-wise optax optimizer whose state is offloaded.
+      subgroup_size: target bytes of optimizer state plus master params per subgroup.
+      master_dtype: dtype of the master params stored with the state, or None for no master copy.
+
+    Returns:
+      The plan, with each subgroup's record layout and a hash identifying the whole layout.
+    """
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = tuple(
+        LeafSpec(jax.tree_util.keystr(path), tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in path_leaves
+    )
+    estimator = _Estimator(inner, treedef, specs, master_dtype)
+    subgroups = []
+    for index, pieces in enumerate(_group_pieces(specs, estimator, subgroup_size)):
+        state_pieces = _abstract_pieces(specs, pieces, master_dtype)
+        view = view_of(treedef, len(specs), pieces, state_pieces)
+        state_shapes = jax.eval_shape(inner.init, view)
+        master_shapes = state_pieces if master_dtype is not None else []
+        subgroups.append(Subgroup(index, tuple(pieces), _layout(state_shapes, master_shapes)))
+    return Plan(treedef, specs, tuple(subgroups), master_dtype, _hash_plan(treedef, specs, subgroups, master_dtype))
+
+
+def pack(layout: RecordLayout, state_leaves: Sequence[np.ndarray], master_leaves: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """Copies a subgroup's state and master leaves into ``out``, a uint8 payload buffer."""
+    for field, value in zip((*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True):
+        value = np.asarray(value)
+        if value.shape != field.shape or value.dtype != field.dtype:
+            raise ValueError(f"state leaf {value.shape} {value.dtype} does not match its record field {field}")
+        out[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)[...] = value
+
+
+def unpack(layout: RecordLayout, payload: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Views of a record payload as the subgroup's state leaves and master leaves (no copy)."""
+
+    def read(field: Field) -> np.ndarray:
+        return payload[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)
+
+    return [read(f) for f in layout.state_fields], [read(f) for f in layout.master_fields]

@@ -1,0 +1,501 @@
+"""``mlp_offload``: the optax face of the offloaded optimizer.
+
+The user holds only :class:`OffloadState`, a step counter. The inner optimizer's state lives in the
+tiers, one record per subgroup, and each ``update`` streams it through the device subgroup by
+subgroup: fetch, ``device_put``, the jitted inner update on the subgroup's view, back to host, store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_mlp import partition
+from jax_mlp.config import OffloadConfig
+from jax_mlp.engine import Engine, Timings
+from jax_mlp.partition import Plan, Subgroup
+from jax_mlp.scheduler import Scheduler
+from jax_mlp.stats import IOCounters, UpdateStats
+from jax_mlp.tiers import HostCache, OffloadError, PathStore, RecordError, TierStack, new_record, payload_of, seal
+
+_RUN_FORMAT = 1
+
+
+class OffloadState(NamedTuple):
+    """The whole optimizer state the user holds: the number of updates applied so far.
+
+    The inner optimizer's state is in the tiers; ``step`` ties this handle to the step they hold.
+    """
+
+    step: jax.Array
+
+
+def _is_tracer(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _first_device(leaves: Sequence[Any]) -> jax.Device:
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices()))
+    return jax.devices()[0]
+
+
+class _Compiled:
+    """Compiled subgroup functions, shared among subgroups with the same signature."""
+
+    def __init__(self):
+        self._functions: dict[Any, Callable] = {}
+        self.count = 0
+
+    def get(self, key: Any, build: Callable[[], Callable], args: Sequence[Any]) -> Callable:
+        signature = (key, tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+        function = self._functions.get(signature)
+        if function is None:
+            function = jax.jit(build()).lower(*args).compile()
+            self._functions[signature] = function
+            self.count += 1
+        return function
+
+
+def _static_key(plan: Plan, subgroup: Subgroup) -> tuple:
+    """What a subgroup's compiled function depends on besides its input shapes."""
+    pieces = tuple((p.leaf, None if p.rows is None else p.rows[1] - p.rows[0]) for p in subgroup.pieces)
+    return pieces, subgroup.layout.state_treedef
+
+
+def _slice_rows(leaf: jax.Array, start: jax.Array, piece: partition.Piece) -> jax.Array:
+    if piece.rows is None:
+        return leaf
+    return jax.lax.dynamic_slice_in_dim(leaf, start, piece.rows[1] - piece.rows[0], axis=0)
+
+
+class Offloader:
+    """The live object behind ``mlp_offload``: plan, tiers, engine and compiled functions.
+
+    Use it through the ``optax.GradientTransformationExtraArgs`` that :func:`mlp_offload` returns;
+    keep a reference to that object to read ``stats`` and to ``close()`` it.
+    """
+
+    def __init__(
+        self,
+        inner: optax.GradientTransformation,
+        config: OffloadConfig,
+        *,
+        resume: bool = False,
+        on_stats: Callable[[UpdateStats], None] | None = None,
+    ):
+        self.inner = inner
+        self.config = config
+        self.resume = resume
+        self.on_stats = on_stats
+        self.plan: Plan | None = None
+        self.step = 0
+        self.last_stats: UpdateStats | None = None
+        self._compiled = _Compiled()
+        self._tiers: TierStack | None = None
+        self._engine: Engine | None = None
+        self._scheduler: Scheduler | None = None
+        self._counters: IOCounters | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def _open_tiers(self, plan: Plan) -> None:
+        paths = [PathStore(p, jax.process_index()) for p in self.config.paths]
+        identity = {
+            "format": _RUN_FORMAT,
+            "layout_hash": plan.layout_hash.hex(),
+            "num_subgroups": len(plan.subgroups),
+            "state_bytes": plan.state_nbytes,
+        }
+        for path in paths:
+            found = path.read_run_file()
+            if found is not None and not self.resume:
+                raise OffloadError(
+                    f"path {path.root} already holds offloaded optimizer state ({path.directory}); pass "
+                    "resume=True to continue that run, or give an empty directory"
+                )
+            if found is not None and found.get("layout_hash") != identity["layout_hash"]:
+                raise RecordError(
+                    f"path {path.root} holds state of another run or subgroup layout (layout hash "
+                    f"{found.get('layout_hash')}, expected {identity['layout_hash']}); resume with the same params, "
+                    "optimizer and subgroup_size, or give an empty directory"
+                )
+        for path in paths:
+            path.write_run_file(identity)
+        self._scheduler = Scheduler(len(plan.subgroups), len(paths))
+        self._counters = IOCounters([p.root for p in paths])
+        self._tiers = TierStack(HostCache(self.config.host_cache), paths, plan.layout_hash, self._scheduler.path_of, self._counters)
+        self._engine = Engine(self.config.prefetch_depth, self.config.write_depth, self.config.io_timeout)
+
+    def init(self, params: Any) -> OffloadState:
+        """Plans the subgroups and streams the inner optimizer's initial state out to the tiers.
+
+        With ``resume=True`` it reopens the tiers at their last complete step instead.
+        """
+        if _is_tracer(params):
+            raise OffloadError(
+                "mlp_offload(...).init was called inside a jax transformation (jit, eval_shape, ...); call init "
+                "eagerly on concrete params: it writes the initial optimizer state to storage"
+            )
+        if self.plan is not None:
+            raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
+        self._check_open()
+        self.plan = partition.make_plan(params, self.inner, self.config.subgroup_size, self.config.master_dtype)
+        self._open_tiers(self.plan)
+        if self.resume:
+            self.step = self._find_last_complete_step()
+        else:
+            self._write_initial_state(params)
+        return OffloadState(jnp.asarray(self.step, jnp.int32))
+
+    def _write_initial_state(self, params: Any) -> None:
+        plan = self.plan
+        param_leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+        device = _first_device(param_leaves)
+        master_dtype = plan.master_dtype
+
+        def build(subgroup: Subgroup) -> Callable:
+            def initial(leaves, starts):
+                pieces = [_slice_rows(x, s, p) for x, s, p in zip(leaves, starts, subgroup.pieces, strict=True)]
+                if master_dtype is not None:
+                    pieces = [x.astype(master_dtype) for x in pieces]
+                state = self.inner.init(partition.build_view(plan, subgroup, pieces))
+                return jax.tree_util.tree_leaves(state), pieces if master_dtype is not None else []
+
+            return initial
+
+        def compute(index: int, _: None) -> tuple:
+            subgroup = plan.subgroups[index]
+            args = (
+                [param_leaves[p.leaf] for p in subgroup.pieces],
+                self._starts(subgroup, device),
+            )
+            function = self._compiled.get(("init", *_static_key(plan, subgroup)), lambda: build(subgroup), args)
+            return function(*args)
+
+        self._counters.reset()
+        compiles = self._compiled.count
+        timings = self._engine.run(
+            range(len(plan.subgroups)), lambda _: None, compute, lambda k, out: self._store(k, out, step=0)
+        )
+        self._finish(0, timings, compiles)
+        self._engine.wait_background()
+
+    def _find_last_complete_step(self) -> int:
+        """The highest step at which every subgroup has a verified record on some path."""
+        plan, tiers = self.plan, self._tiers
+        found = []
+        for subgroup in plan.subgroups:
+            steps: dict[int, int] = {}
+            for index, path in enumerate(tiers.paths):
+                for slot in (0, 1):
+                    step = path.verified_step(subgroup.index, slot, plan.layout_hash)
+                    if step is not None:
+                        steps[step] = index
+            found.append(steps)
+        common = set.intersection(*(set(steps) for steps in found))
+        if not common:
+            raise RecordError(
+                f"no step has a complete, verified record of every subgroup on paths {list(self.config.paths)}; "
+                "the tiers cannot be resumed: restore from a checkpoint"
+            )
+        step = max(common)
+        for subgroup, steps in zip(plan.subgroups, found, strict=True):
+            tiers.locations[subgroup.index] = steps[step]
+        return step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("this mlp_offload is closed; create a new one (with resume=True to continue)")
+
+    def flush(self) -> None:
+        """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
+        self._check_open()
+        if self._tiers is None:
+            return
+        self._engine.wait_background()
+        for subgroup, entry in self._tiers.cache.dirty():
+            self._tiers.write_back(subgroup, entry)
+
+    def close(self, *, delete: bool = False) -> None:
+        """Flushes, stops the threads and, only if ``delete``, removes the files on every path."""
+        if self._closed:
+            return
+        try:
+            if not delete:
+                self.flush()
+        finally:
+            self._closed = True
+            if self._engine is not None:
+                self._engine.close()
+            if self._tiers is not None:
+                self._tiers.cache.clear()
+                if delete:
+                    for path in self._tiers.paths:
+                        path.remove()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- update
+
+    def _starts(self, subgroup: Subgroup, device: jax.Device) -> list:
+        return [jax.device_put(np.int32(0 if p.rows is None else p.rows[0]), device) for p in subgroup.pieces]
+
+    def _store(self, index: int, computed: tuple, step: int) -> None:
+        """Writer thread: device results to a sealed record, then into the tiers."""
+        state_leaves, master_leaves = computed[-2], computed[-1]
+        subgroup = self.plan.subgroups[index]
+        record = new_record(subgroup.layout.nbytes)
+        partition.pack(subgroup.layout, [np.asarray(x) for x in state_leaves], [np.asarray(x) for x in master_leaves], payload_of(record))
+        seal(record, step, self.plan.layout_hash)
+        self._tiers.store(index, record, step)
+
+    def _finish(self, step: int, timings: Timings, compiles_before: int, extra_wait: float = 0.0) -> None:
+        counters = self._counters
+        self.last_stats = UpdateStats(
+            step=step,
+            seconds=timings.total + extra_wait,
+            read_wait_s=timings.read_wait,
+            compute_s=timings.compute,
+            write_wait_s=timings.write_wait + extra_wait,
+            bytes_read=dict(counters.bytes_read),
+            bytes_written=dict(counters.bytes_written),
+            cache_hits=counters.cache_hits,
+            cache_misses=counters.cache_misses,
+            compiles=self._compiled.count - compiles_before,
+            total_compiles=self._compiled.count,
+        )
+        if self.on_stats is not None:
+            self.on_stats(self.last_stats)
+        for subgroup, entry in self._tiers.cache.dirty():
+            self._engine.submit_background(self._tiers.write_back, subgroup, entry)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, OffloadState):
+            raise TypeError(f"mlp_offload.update expects the OffloadState returned by its init, got {type(state).__name__}")
+        if self.plan is None:
+            raise OffloadError("mlp_offload.update was called before init")
+        self._check_open()
+        step = int(state.step)
+        if step != self.step:
+            raise OffloadError(
+                f"the opt_state passed to update is at step {step}, but the offloaded state is at step {self.step}; "
+                "offloaded state cannot go back in time: pass the opt_state returned by the previous update, "
+                "or restore a checkpoint"
+            )
+
+    def _check_tree(self, tree: Any, name: str, *, check_dtype: bool) -> list:
+        plan = self.plan
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if treedef != plan.treedef:
+            names = {jax.tree_util.keystr(p) for p, _ in path_leaves}
+            expected = {spec.path for spec in plan.leaves}
+            missing, extra = sorted(expected - names), sorted(names - expected)
+            detail = f"missing leaves {missing[:5]}" if missing else ""
+            detail += ("; " if detail and extra else "") + (f"unexpected leaves {extra[:5]}" if extra else "")
+            raise ValueError(
+                f"the {name} tree does not match the params tree given to init: {detail or 'the containers differ'}. "
+                f"Pass {name} with exactly the structure of the params"
+            )
+        leaves = []
+        for (path, leaf), spec in zip(path_leaves, plan.leaves, strict=True):
+            shape = tuple(np.shape(leaf))
+            if shape != spec.shape:
+                raise ValueError(f"{name} leaf {spec.path} has shape {shape}, but the param had shape {spec.shape} at init")
+            dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            if check_dtype and dtype != spec.dtype:
+                raise ValueError(
+                    f"{name} leaf {spec.path} has dtype {dtype}, but the param had dtype {spec.dtype} at init; the "
+                    "offloaded state was laid out for that dtype: keep it, or start a new run"
+                )
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                raise ValueError(f"{name} leaf {spec.path} has dtype {dtype}; only floating-point leaves can be optimized")
+            leaves.append(jnp.asarray(leaf))
+        return leaves
+
+    def _build_update(self, subgroup: Subgroup) -> Callable:
+        plan, inner = self.plan, self.inner
+        master_dtype = plan.master_dtype
+        treedef = subgroup.layout.state_treedef
+
+        def update(grads, params, starts, state_leaves, master_leaves, accumulators):
+            slices = list(zip(starts, subgroup.pieces, strict=True))
+            param_pieces = [_slice_rows(x, s, p) for x, (s, p) in zip(params, slices, strict=True)]
+            compute_dtypes = [m.dtype for m in master_leaves] if master_dtype is not None else [p.dtype for p in param_pieces]
+            grad_pieces = [_slice_rows(g, s, p).astype(d) for g, (s, p), d in zip(grads, slices, compute_dtypes, strict=True)]
+            inner_params = list(master_leaves) if master_dtype is not None else param_pieces
+            state = jax.tree_util.tree_unflatten(treedef, state_leaves)
+            updates, new_state = inner.update(
+                partition.build_view(plan, subgroup, grad_pieces), state, partition.build_view(plan, subgroup, inner_params)
+            )
+            update_pieces = [updates_leaf for updates_leaf in jax.tree_util.tree_leaves(updates)]
+            if master_dtype is not None:
+                new_master = [optax.apply_updates(m, u) for m, u in zip(master_leaves, update_pieces, strict=True)]
+                user_updates = [
+                    m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype) for m, p in zip(new_master, param_pieces, strict=True)
+                ]
+            else:
+                new_master = []
+                user_updates = [u.astype(p.dtype) for u, p in zip(update_pieces, param_pieces, strict=True)]
+            outputs = []
+            for piece, start, update_piece, accumulator in zip(subgroup.pieces, starts, user_updates, accumulators, strict=True):
+                if piece.rows is None:
+                    outputs.append(update_piece)
+                else:
+                    outputs.append(jax.lax.dynamic_update_slice_in_dim(accumulator, update_piece, start, axis=0))
+            return outputs, jax.tree_util.tree_leaves(new_state), new_master
+
+        return update
+
+    def update(self, updates: Any, state: OffloadState, params: Any = None, **extra_args: Any) -> tuple[Any, OffloadState]:
+        """Streams every subgroup's state through the device and returns the inner optimizer's updates."""
+        del extra_args
+        if _is_tracer((updates, state, params)):
+            raise OffloadError(
+                "mlp_offload's update was called inside jax.jit (or another transformation). Split the train "
+                "step: jit the loss and gradient computation, then call tx.update(grads, opt_state, params) "
+                "and optax.apply_updates outside jit. See docs/faq.md"
+            )
+        self._check_state(state)
+        plan = self.plan
+        grads = self._check_tree(updates, "grads", check_dtype=False)
+        if params is None and plan.master_dtype is not None:
+            raise ValueError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
+        param_leaves = self._check_tree(params, "params", check_dtype=True) if params is not None else grads
+        device = _first_device(grads)
+        out_dtype = [np.dtype(plan.master_dtype) if plan.master_dtype is not None else s.dtype for s in plan.leaves]
+        accumulators: dict[int, jax.Array] = {}
+        results: dict[int, jax.Array] = {}
+        step = self.step
+
+        self._counters.reset()
+        compiles = self._compiled.count
+        background_wait = self._engine.wait_background()
+
+        def fetch(index: int) -> list:
+            subgroup = plan.subgroups[index]
+            state_leaves, master_leaves = partition.unpack(subgroup.layout, self._tiers.fetch(index, step))
+            return jax.device_put((state_leaves, master_leaves), device)
+
+        def compute(index: int, fetched: list) -> tuple:
+            subgroup = plan.subgroups[index]
+            state_leaves, master_leaves = fetched
+            for p in subgroup.pieces:
+                if p.rows is not None and p.leaf not in accumulators:
+                    accumulators[p.leaf] = jnp.zeros(plan.leaves[p.leaf].shape, out_dtype[p.leaf], device=device)
+            args = (
+                [grads[p.leaf] for p in subgroup.pieces],
+                [param_leaves[p.leaf] for p in subgroup.pieces],
+                self._starts(subgroup, device),
+                state_leaves,
+                master_leaves,
+                [accumulators.get(p.leaf) if p.rows is not None else None for p in subgroup.pieces],
+            )
+            function = self._compiled.get(_static_key(plan, subgroup), lambda: self._build_update(subgroup), args)
+            outputs, new_state, new_master = function(*args)
+            for p, out in zip(subgroup.pieces, outputs, strict=True):
+                (accumulators if p.rows is not None else results)[p.leaf] = out
+            return new_state, new_master
+
+        try:
+            timings = self._engine.run(self._scheduler.order(step), fetch, compute, lambda k, out: self._store(k, out, step + 1))
+        except BaseException:
+            self._tiers.cache.discard_unless_step(step)
+            raise
+        results.update(accumulators)
+        self.step = step + 1
+        self._finish(self.step, timings, compiles, background_wait)
+        new_updates = jax.tree_util.tree_unflatten(plan.treedef, [results[i] for i in range(len(plan.leaves))])
+        return new_updates, OffloadState(jnp.asarray(self.step, jnp.int32))
+
+
+class OffloadTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`mlp_offload` returns: an optax transformation with a handle on its offloader."""
+
+    __slots__ = ()
+
+    @property
+    def offloader(self) -> Offloader:
+        """The live :class:`Offloader`: its ``last_stats``, ``flush()`` and ``close()``."""
+        return self.init.__self__
+
+    @property
+    def stats(self) -> UpdateStats | None:
+        """Statistics of the last ``init`` or ``update``."""
+        return self.offloader.last_stats
+
+    def flush(self) -> None:
+        """See :meth:`Offloader.flush`."""
+        self.offloader.flush()
+
+    def close(self, *, delete: bool = False) -> None:
+        """See :meth:`Offloader.close`."""
+        self.offloader.close(delete=delete)
+
+    def __enter__(self) -> OffloadTransformation:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def mlp_offload(
+    inner: optax.GradientTransformation,
+    *,
+    paths: Sequence[str | os.PathLike] | str | os.PathLike,
+    host_cache: int | str = 0,
+    subgroup_size: int | str = "64MiB",
+    prefetch_depth: int = 2,
+    write_depth: int = 2,
+    master_dtype: Any = None,
+    resume: bool = False,
+    io_timeout: float = 600.0,
+    on_stats: Callable[[UpdateStats], None] | None = None,
+) -> OffloadTransformation:
+    """Wraps an element-wise optax optimizer so its state lives in host RAM and on disk, not on device.
+
+    Put global transformations such as ``optax.clip_by_global_norm`` before it in an ``optax.chain``:
+    ``mlp_offload`` sees one subgroup of leaves at a time.
+
+    Args:
+      inner: the optimizer whose state is offloaded, e.g. ``optax.adamw(1e-3)``. It must act leaf by
+        leaf (adam, adamw, lion, sgd, rmsprop, ...); adafactor is exact on leaves that are not split.
+      paths: one or more directories (node-local NVMe, a parallel file system) for the state records.
+      host_cache: host RAM for records kept between updates, e.g. ``"8GiB"``; 0 disables the cache.
+      subgroup_size: bytes of state (plus master params) streamed at once, e.g. ``"256MiB"``.
+      prefetch_depth: subgroups read ahead of the one being updated.
+      write_depth: subgroups whose writes may trail behind the update.
+      master_dtype: if set (e.g. ``jnp.float32``), an fp32 master copy of low-precision params is kept
+        in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly ``master.astype(params.dtype)``.
+      resume: reopen the tiers at their last complete step instead of writing a fresh initial state.
+      io_timeout: seconds a single record read or write may take before the update fails.
+      on_stats: called with the :class:`UpdateStats` of each init and update, e.g. to log them.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``init`` returns an :class:`OffloadState` and
+      which also exposes ``stats``, ``flush()`` and ``close()``.
+    """
+    config = OffloadConfig.create(
+        paths,
+        host_cache=host_cache,
+        subgroup_size=subgroup_size,
+        prefetch_depth=prefetch_depth,
+        write_depth=write_depth,
+        master_dtype=master_dtype,
+        io_timeout=io_timeout,
+    )
+    offloader = Offloader(inner, config, resume=resume, on_stats=on_stats)
+    return OffloadTransformation(offloader.init, offloader.update)
