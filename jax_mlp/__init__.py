@@ -6,7 +6,7 @@
 from jax_mlp.config import OffloadConfig, parse_size
 from jax_mlp.stats import UpdateStats
 from jax_mlp.tiers import OffloadError, PathError, RecordError
-from jax_mlp.transform import OffloadState, OffloadTransformation, Offloader, mlp_offload
+from jax_mlp.transform import Offloader, OffloadState, OffloadTransformation, mlp_offload
 
 __all__ = [
     "OffloadConfig",

@@ -84,7 +84,7 @@ def piece_shape(spec: LeafSpec, piece: Piece) -> tuple[int, ...]:
     """The shape of a piece of the leaf ``spec``."""
     if piece.rows is None:
         return spec.shape
-    return (piece.rows[1] - piece.rows[0],) + spec.shape[1:]
+    return (piece.rows[1] - piece.rows[0], *spec.shape[1:])
 
 
 def take_piece(leaf: Any, piece: Piece) -> Any:
@@ -107,8 +107,7 @@ def build_view(plan: Plan, subgroup: Subgroup, piece_values: Sequence[Any]) -> A
 
 def _abstract_pieces(plan_leaves: Sequence[LeafSpec], pieces: Sequence[Piece], dtype: np.dtype | None) -> list:
     return [
-        jax.ShapeDtypeStruct(piece_shape(plan_leaves[p.leaf], p), dtype or plan_leaves[p.leaf].dtype)
-        for p in pieces
+        jax.ShapeDtypeStruct(piece_shape(plan_leaves[p.leaf], p), dtype or plan_leaves[p.leaf].dtype) for p in pieces
     ]
 
 
@@ -229,9 +228,13 @@ def make_plan(
     return Plan(treedef, specs, tuple(subgroups), master_dtype, _hash_plan(treedef, specs, subgroups, master_dtype))
 
 
-def pack(layout: RecordLayout, state_leaves: Sequence[np.ndarray], master_leaves: Sequence[np.ndarray], out: np.ndarray) -> None:
+def pack(
+    layout: RecordLayout, state_leaves: Sequence[np.ndarray], master_leaves: Sequence[np.ndarray], out: np.ndarray
+) -> None:
     """Copies a subgroup's state and master leaves into ``out``, a uint8 payload buffer."""
-    for field, value in zip((*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True):
+    for field, value in zip(
+        (*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True
+    ):
         value = np.asarray(value)
         if value.shape != field.shape or value.dtype != field.dtype:
             raise ValueError(f"state leaf {value.shape} {value.dtype} does not match its record field {field}")

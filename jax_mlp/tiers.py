@@ -10,6 +10,7 @@ lives in slot ``s % 2``, so writing step ``s + 1`` never touches step ``s``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import os
@@ -101,7 +102,9 @@ def verify(record: np.ndarray, *, name: str, step: int, layout_hash: bytes) -> n
             f"expected {layout_hash.hex()}); use a fresh directory or the same params, optimizer and subgroup_size"
         )
     if header.payload_nbytes != record.nbytes - HEADER_SIZE:
-        raise RecordError(f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; {remedy}")
+        raise RecordError(
+            f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; {remedy}"
+        )
     if header.step != step:
         raise RecordError(f"record {name} holds step {header.step}, expected step {step}; {remedy}")
     payload = payload_of(record)
@@ -183,11 +186,11 @@ class HostCache:
 
 def _describe_os_error(path: str, error: BaseException) -> str:
     text = str(error)
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left" in text:
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in text:
         return f"path {path} is full (no space left on device); free space there or give another path"
-    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS) or "ermission" in text:
+    if (isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)) or "ermission" in text:
         return f"path {path} is not writable; fix its permissions or give another path"
-    if isinstance(error, OSError) and error.errno == errno.ENOENT or "NOT_FOUND" in text or "No such file" in text:
+    if (isinstance(error, OSError) and error.errno == errno.ENOENT) or "NOT_FOUND" in text or "No such file" in text:
         return f"path {path} is gone (a file or directory vanished); restore it or give another path"
     return f"I/O on path {path} failed: {text.splitlines()[0] if text else type(error).__name__}"
 
@@ -216,7 +219,9 @@ class PathStore:
             os.remove(probe)
         except OSError as error:
             if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise PathError(f"path {self.root} is not writable; fix its permissions or give another path") from error
+                raise PathError(
+                    f"path {self.root} is not writable; fix its permissions or give another path"
+                ) from error
             raise PathError(
                 f"path {self.root} cannot be created or used ({error.strerror}); create it or give another path"
             ) from error
@@ -304,11 +309,8 @@ class PathStore:
     def remove(self) -> None:
         """Deletes this process's directory on the path, and the path itself if then empty."""
         shutil.rmtree(self.directory, ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):
             os.rmdir(self.root)
-        except OSError:
-            pass
-
 
 
 class TierStack:

@@ -7,8 +7,9 @@ subgroup: fetch, ``device_put``, the jitted inner update on the subgroup's view,
 
 from __future__ import annotations
 
+import functools
 import os
-import time
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -37,6 +38,16 @@ class OffloadState(NamedTuple):
     step: jax.Array
 
 
+def _as_arrays(tree: Any) -> Any:
+    """Strips flax NNX ``Variable`` wrappers, as ``nnx.Optimizer`` does before ``tx.update``.
+
+    ``nnx.Optimizer`` calls ``init`` on a state of Variables but ``update`` on plain arrays; the plan
+    is made on the arrays so both calls see one tree. flax is only consulted if already imported.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    return nnx.as_pure(tree) if nnx is not None and hasattr(nnx, "as_pure") else tree
+
+
 def _is_tracer(tree: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
@@ -48,33 +59,96 @@ def _first_device(leaves: Sequence[Any]) -> jax.Device:
     return jax.devices()[0]
 
 
-class _Compiled:
-    """Compiled subgroup functions, shared among subgroups with the same signature."""
+class _SubgroupSpec(NamedTuple):
+    """Everything a subgroup's computation depends on besides its input arrays (a jit static arg).
 
-    def __init__(self):
-        self._functions: dict[Any, Callable] = {}
-        self.count = 0
+    Pieces are normalised to start at row 0 (the real start is a traced argument), so the chunks of
+    one leaf share a compilation.
+    """
 
-    def get(self, key: Any, build: Callable[[], Callable], args: Sequence[Any]) -> Callable:
-        signature = (key, tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
-        function = self._functions.get(signature)
-        if function is None:
-            function = jax.jit(build()).lower(*args).compile()
-            self._functions[signature] = function
-            self.count += 1
-        return function
+    inner: optax.GradientTransformation
+    treedef: Any
+    num_leaves: int
+    pieces: tuple[partition.Piece, ...]
+    state_treedef: Any
+    master_dtype: np.dtype | None
+
+    @classmethod
+    def of(cls, inner: optax.GradientTransformation, plan: Plan, subgroup: Subgroup) -> _SubgroupSpec:
+        pieces = tuple(
+            p if p.rows is None else partition.Piece(p.leaf, (0, p.rows[1] - p.rows[0])) for p in subgroup.pieces
+        )
+        return cls(inner, plan.treedef, len(plan.leaves), pieces, subgroup.layout.state_treedef, plan.master_dtype)
+
+    def view(self, values: Sequence[Any]) -> Any:
+        return partition.view_of(self.treedef, self.num_leaves, self.pieces, values)
 
 
-def _static_key(plan: Plan, subgroup: Subgroup) -> tuple:
-    """What a subgroup's compiled function depends on besides its input shapes."""
-    pieces = tuple((p.leaf, None if p.rows is None else p.rows[1] - p.rows[0]) for p in subgroup.pieces)
-    return pieces, subgroup.layout.state_treedef
+class _TraceCounter:
+    """Counts traces of the subgroup functions: each is one compilation."""
+
+    count = 0
 
 
 def _slice_rows(leaf: jax.Array, start: jax.Array, piece: partition.Piece) -> jax.Array:
     if piece.rows is None:
         return leaf
-    return jax.lax.dynamic_slice_in_dim(leaf, start, piece.rows[1] - piece.rows[0], axis=0)
+    return jax.lax.dynamic_slice_in_dim(leaf, start, piece.rows[1], axis=0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _subgroup_init(spec: _SubgroupSpec, params: Sequence[jax.Array], starts: Sequence[jax.Array]) -> tuple:
+    """The inner optimizer's initial state (and master params) for one subgroup."""
+    _TraceCounter.count += 1
+    pieces = [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
+    if spec.master_dtype is not None:
+        pieces = [x.astype(spec.master_dtype) for x in pieces]
+    state = spec.inner.init(spec.view(pieces))
+    return jax.tree_util.tree_leaves(state), pieces if spec.master_dtype is not None else []
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
+def _subgroup_update(
+    spec: _SubgroupSpec,
+    grads: Sequence[jax.Array],
+    params: Sequence[jax.Array],
+    starts: Sequence[jax.Array],
+    state_leaves: Sequence[jax.Array],
+    master_leaves: Sequence[jax.Array],
+    accumulators: Sequence[jax.Array | None],
+) -> tuple:
+    """One subgroup's inner update on its view.
+
+    Gradients are up-cast here to the dtype the optimizer works in (the master dtype, or the
+    param dtype). Updates of a row chunk are written into its leaf's accumulator in place.
+
+    Returns:
+      Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
+    """
+    _TraceCounter.count += 1
+    param_pieces = [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
+    inner_params = list(master_leaves) if spec.master_dtype is not None else param_pieces
+    grad_pieces = [
+        _slice_rows(g, s, p).astype(x.dtype)
+        for g, s, p, x in zip(grads, starts, spec.pieces, inner_params, strict=True)
+    ]
+    state = jax.tree_util.tree_unflatten(spec.state_treedef, state_leaves)
+    updates, new_state = spec.inner.update(spec.view(grad_pieces), state, spec.view(inner_params))
+    update_pieces = jax.tree_util.tree_leaves(updates)
+    if spec.master_dtype is not None:
+        new_master = [optax.apply_updates(m, u) for m, u in zip(master_leaves, update_pieces, strict=True)]
+        # In fp32, p + (m_lowp - p) == m_lowp: apply_updates then yields exactly the master's cast.
+        user_updates = [
+            m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype) for m, p in zip(new_master, param_pieces, strict=True)
+        ]
+    else:
+        new_master = []
+        user_updates = [u.astype(p.dtype) for u, p in zip(update_pieces, param_pieces, strict=True)]
+    outputs = [
+        u if piece.rows is None else jax.lax.dynamic_update_slice_in_dim(acc, u, start, axis=0)
+        for piece, start, u, acc in zip(spec.pieces, starts, user_updates, accumulators, strict=True)
+    ]
+    return outputs, jax.tree_util.tree_leaves(new_state), new_master
 
 
 class Offloader:
@@ -99,7 +173,8 @@ class Offloader:
         self.plan: Plan | None = None
         self.step = 0
         self.last_stats: UpdateStats | None = None
-        self._compiled = _Compiled()
+        self._specs: dict[int, _SubgroupSpec] = {}
+        self._total_compiles = 0
         self._tiers: TierStack | None = None
         self._engine: Engine | None = None
         self._scheduler: Scheduler | None = None
@@ -133,7 +208,9 @@ class Offloader:
             path.write_run_file(identity)
         self._scheduler = Scheduler(len(plan.subgroups), len(paths))
         self._counters = IOCounters([p.root for p in paths])
-        self._tiers = TierStack(HostCache(self.config.host_cache), paths, plan.layout_hash, self._scheduler.path_of, self._counters)
+        self._tiers = TierStack(
+            HostCache(self.config.host_cache), paths, plan.layout_hash, self._scheduler.path_of, self._counters
+        )
         self._engine = Engine(self.config.prefetch_depth, self.config.write_depth, self.config.io_timeout)
 
     def init(self, params: Any) -> OffloadState:
@@ -149,6 +226,7 @@ class Offloader:
         if self.plan is not None:
             raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
         self._check_open()
+        params = _as_arrays(params)
         self.plan = partition.make_plan(params, self.inner, self.config.subgroup_size, self.config.master_dtype)
         self._open_tiers(self.plan)
         if self.resume:
@@ -161,32 +239,17 @@ class Offloader:
         plan = self.plan
         param_leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
         device = _first_device(param_leaves)
-        master_dtype = plan.master_dtype
-
-        def build(subgroup: Subgroup) -> Callable:
-            def initial(leaves, starts):
-                pieces = [_slice_rows(x, s, p) for x, s, p in zip(leaves, starts, subgroup.pieces, strict=True)]
-                if master_dtype is not None:
-                    pieces = [x.astype(master_dtype) for x in pieces]
-                state = self.inner.init(partition.build_view(plan, subgroup, pieces))
-                return jax.tree_util.tree_leaves(state), pieces if master_dtype is not None else []
-
-            return initial
 
         def compute(index: int, _: None) -> tuple:
             subgroup = plan.subgroups[index]
-            args = (
-                [param_leaves[p.leaf] for p in subgroup.pieces],
-                self._starts(subgroup, device),
-            )
-            function = self._compiled.get(("init", *_static_key(plan, subgroup)), lambda: build(subgroup), args)
-            return function(*args)
+            leaves = [param_leaves[p.leaf] for p in subgroup.pieces]
+            return _subgroup_init(self._spec(subgroup), leaves, self._starts(subgroup, device))
 
         self._counters.reset()
-        compiles = self._compiled.count
-        timings = self._engine.run(
-            range(len(plan.subgroups)), lambda _: None, compute, lambda k, out: self._store(k, out, step=0)
-        )
+        compiles = _TraceCounter.count
+        # Written in the order of "step -1", so the cache keeps what step 0 updates first.
+        order = self._scheduler.order(-1)
+        timings = self._engine.run(order, lambda _: None, compute, lambda k, out: self._store(k, out, step=0))
         self._finish(0, timings, compiles)
         self._engine.wait_background()
 
@@ -251,6 +314,12 @@ class Offloader:
 
     # ----------------------------------------------------------------------------- update
 
+    def _spec(self, subgroup: Subgroup) -> _SubgroupSpec:
+        spec = self._specs.get(subgroup.index)
+        if spec is None:
+            spec = self._specs[subgroup.index] = _SubgroupSpec.of(self.inner, self.plan, subgroup)
+        return spec
+
     def _starts(self, subgroup: Subgroup, device: jax.Device) -> list:
         return [jax.device_put(np.int32(0 if p.rows is None else p.rows[0]), device) for p in subgroup.pieces]
 
@@ -259,12 +328,19 @@ class Offloader:
         state_leaves, master_leaves = computed[-2], computed[-1]
         subgroup = self.plan.subgroups[index]
         record = new_record(subgroup.layout.nbytes)
-        partition.pack(subgroup.layout, [np.asarray(x) for x in state_leaves], [np.asarray(x) for x in master_leaves], payload_of(record))
+        partition.pack(
+            subgroup.layout,
+            [np.asarray(x) for x in state_leaves],
+            [np.asarray(x) for x in master_leaves],
+            payload_of(record),
+        )
         seal(record, step, self.plan.layout_hash)
         self._tiers.store(index, record, step)
 
     def _finish(self, step: int, timings: Timings, compiles_before: int, extra_wait: float = 0.0) -> None:
         counters = self._counters
+        compiles = _TraceCounter.count - compiles_before
+        self._total_compiles += compiles
         self.last_stats = UpdateStats(
             step=step,
             seconds=timings.total + extra_wait,
@@ -275,8 +351,8 @@ class Offloader:
             bytes_written=dict(counters.bytes_written),
             cache_hits=counters.cache_hits,
             cache_misses=counters.cache_misses,
-            compiles=self._compiled.count - compiles_before,
-            total_compiles=self._compiled.count,
+            compiles=compiles,
+            total_compiles=self._total_compiles,
         )
         if self.on_stats is not None:
             self.on_stats(self.last_stats)
@@ -285,7 +361,9 @@ class Offloader:
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, OffloadState):
-            raise TypeError(f"mlp_offload.update expects the OffloadState returned by its init, got {type(state).__name__}")
+            raise TypeError(
+                f"mlp_offload.update expects the OffloadState returned by its init, got {type(state).__name__}"
+            )
         if self.plan is None:
             raise OffloadError("mlp_offload.update was called before init")
         self._check_open()
@@ -311,10 +389,12 @@ class Offloader:
                 f"Pass {name} with exactly the structure of the params"
             )
         leaves = []
-        for (path, leaf), spec in zip(path_leaves, plan.leaves, strict=True):
+        for (_, leaf), spec in zip(path_leaves, plan.leaves, strict=True):
             shape = tuple(np.shape(leaf))
             if shape != spec.shape:
-                raise ValueError(f"{name} leaf {spec.path} has shape {shape}, but the param had shape {spec.shape} at init")
+                raise ValueError(
+                    f"{name} leaf {spec.path} has shape {shape}, but the param had shape {spec.shape} at init"
+                )
             dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
             if check_dtype and dtype != spec.dtype:
                 raise ValueError(
@@ -322,45 +402,15 @@ class Offloader:
                     "offloaded state was laid out for that dtype: keep it, or start a new run"
                 )
             if not jnp.issubdtype(dtype, jnp.inexact):
-                raise ValueError(f"{name} leaf {spec.path} has dtype {dtype}; only floating-point leaves can be optimized")
+                raise ValueError(
+                    f"{name} leaf {spec.path} has dtype {dtype}; only floating-point leaves can be optimized"
+                )
             leaves.append(jnp.asarray(leaf))
         return leaves
 
-    def _build_update(self, subgroup: Subgroup) -> Callable:
-        plan, inner = self.plan, self.inner
-        master_dtype = plan.master_dtype
-        treedef = subgroup.layout.state_treedef
-
-        def update(grads, params, starts, state_leaves, master_leaves, accumulators):
-            slices = list(zip(starts, subgroup.pieces, strict=True))
-            param_pieces = [_slice_rows(x, s, p) for x, (s, p) in zip(params, slices, strict=True)]
-            compute_dtypes = [m.dtype for m in master_leaves] if master_dtype is not None else [p.dtype for p in param_pieces]
-            grad_pieces = [_slice_rows(g, s, p).astype(d) for g, (s, p), d in zip(grads, slices, compute_dtypes, strict=True)]
-            inner_params = list(master_leaves) if master_dtype is not None else param_pieces
-            state = jax.tree_util.tree_unflatten(treedef, state_leaves)
-            updates, new_state = inner.update(
-                partition.build_view(plan, subgroup, grad_pieces), state, partition.build_view(plan, subgroup, inner_params)
-            )
-            update_pieces = [updates_leaf for updates_leaf in jax.tree_util.tree_leaves(updates)]
-            if master_dtype is not None:
-                new_master = [optax.apply_updates(m, u) for m, u in zip(master_leaves, update_pieces, strict=True)]
-                user_updates = [
-                    m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype) for m, p in zip(new_master, param_pieces, strict=True)
-                ]
-            else:
-                new_master = []
-                user_updates = [u.astype(p.dtype) for u, p in zip(update_pieces, param_pieces, strict=True)]
-            outputs = []
-            for piece, start, update_piece, accumulator in zip(subgroup.pieces, starts, user_updates, accumulators, strict=True):
-                if piece.rows is None:
-                    outputs.append(update_piece)
-                else:
-                    outputs.append(jax.lax.dynamic_update_slice_in_dim(accumulator, update_piece, start, axis=0))
-            return outputs, jax.tree_util.tree_leaves(new_state), new_master
-
-        return update
-
-    def update(self, updates: Any, state: OffloadState, params: Any = None, **extra_args: Any) -> tuple[Any, OffloadState]:
+    def update(
+        self, updates: Any, state: OffloadState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, OffloadState]:
         """Streams every subgroup's state through the device and returns the inner optimizer's updates."""
         del extra_args
         if _is_tracer((updates, state, params)):
@@ -371,6 +421,7 @@ class Offloader:
             )
         self._check_state(state)
         plan = self.plan
+        updates, params = _as_arrays(updates), _as_arrays(params)
         grads = self._check_tree(updates, "grads", check_dtype=False)
         if params is None and plan.master_dtype is not None:
             raise ValueError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
@@ -382,7 +433,7 @@ class Offloader:
         step = self.step
 
         self._counters.reset()
-        compiles = self._compiled.count
+        compiles = _TraceCounter.count
         background_wait = self._engine.wait_background()
 
         def fetch(index: int) -> list:
@@ -404,14 +455,15 @@ class Offloader:
                 master_leaves,
                 [accumulators.get(p.leaf) if p.rows is not None else None for p in subgroup.pieces],
             )
-            function = self._compiled.get(_static_key(plan, subgroup), lambda: self._build_update(subgroup), args)
-            outputs, new_state, new_master = function(*args)
+            outputs, new_state, new_master = _subgroup_update(self._spec(subgroup), *args)
             for p, out in zip(subgroup.pieces, outputs, strict=True):
                 (accumulators if p.rows is not None else results)[p.leaf] = out
             return new_state, new_master
 
         try:
-            timings = self._engine.run(self._scheduler.order(step), fetch, compute, lambda k, out: self._store(k, out, step + 1))
+            timings = self._engine.run(
+                self._scheduler.order(step), fetch, compute, lambda k, out: self._store(k, out, step + 1)
+            )
         except BaseException:
             self._tiers.cache.discard_unless_step(step)
             raise

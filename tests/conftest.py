@@ -1,0 +1,114 @@
+"""Shared helpers: the mixed test tree, reference optax runs and comparisons of bits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_mlp
+
+jax.config.update("jax_enable_x64", False)
+
+SHAPES = {
+    "embed": (40, 16),
+    "blocks": [
+        {"w1": (16, 32), "b1": (32,), "w2": (32, 16), "b2": (16,), "norm": {"scale": (16,), "bias": (16,)}}
+        for _ in range(3)
+    ],
+    "head": {"w": (16, 10), "b": (10,)},
+    "temperature": (),
+    "big": (256, 160),
+}
+
+
+def make_params(shapes=SHAPES, seed: int = 0, dtype=jnp.float32):
+    """A nested tree of normal-distributed leaves with the given shapes."""
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    values = [(0.5 * jax.random.normal(k, s)).astype(dtype) for k, s in zip(keys, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, values)
+
+
+def grads_at(params, step: int, dtype=None):
+    """Deterministic gradients that depend on the params and the step."""
+    return jax.tree.map(
+        lambda p: (jnp.sin(p.astype(jnp.float32) * (step + 1.3)) + 0.1 * step).astype(dtype or p.dtype), params
+    )
+
+
+def decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+OPTIMIZERS = {
+    "adamw_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask),
+    "adam": lambda: optax.adam(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "adam_schedule_chain": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_learning_rate(optax.linear_schedule(1e-2, 1e-3, 10))
+    ),
+}
+
+
+def run_optax(inner, params, steps: int, *, jit: bool):
+    """Plain in-memory optax: the reference."""
+    update = jax.jit(inner.update) if jit else inner.update
+    state = inner.init(params)
+    for step in range(steps):
+        updates, state = update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def run_offload(inner, params, steps: int, paths, *, reopen_at: int | None = None, **options):
+    """The same training with mlp_offload; optionally closes and resumes the tiers at ``reopen_at``."""
+    tx = jax_mlp.mlp_offload(inner, paths=paths, **options)
+    state = tx.init(params)
+    for step in range(steps):
+        if step == reopen_at:
+            tx.close()
+            tx = jax_mlp.mlp_offload(inner, paths=paths, resume=True, **options)
+            state = tx.init(params)
+            assert int(state.step) == step
+        updates, state = tx.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    stats = tx.stats
+    tx.close()
+    return params, stats
+
+
+def max_relative_deviation(actual, expected) -> dict[str, float]:
+    """Per leaf: max|actual - expected| / max|expected|."""
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree.leaves(expected)
+    out = {}
+    for (path, a), e in zip(flat_a, flat_e, strict=True):
+        a64, e64 = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        out[jax.tree_util.keystr(path)] = float(np.max(np.abs(a64 - e64)) / max(np.max(np.abs(e64)), 1e-30))
+    return out
+
+
+def as_bits(tree) -> list[np.ndarray]:
+    """Each leaf's raw bits as unsigned integers, so NaNs and signed zeros compare exactly."""
+
+    def bits(x):
+        x = np.asarray(x)
+        return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+    return [bits(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_same_bits(a, b, message: str = "") -> None:
+    for x, y in zip(as_bits(a), as_bits(b), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=message)
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """Three fresh, distinct directories to use as storage paths."""
+    return [tmp_path / "nvme", tmp_path / "pfs", tmp_path / "third"]

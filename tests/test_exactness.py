@@ -1,0 +1,137 @@
+"""Same math as in-memory optax, and bits that never depend on the tiering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import (
+    OPTIMIZERS,
+    assert_same_bits,
+    grads_at,
+    make_params,
+    max_relative_deviation,
+    run_offload,
+    run_optax,
+)
+
+import jax_mlp
+
+STEPS = 10
+SUBGROUP = "16KiB"
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_same_math_as_optax_and_bits_independent_of_tiering(name, paths):
+    inner = OPTIMIZERS[name]()
+    params = make_params()
+    # adafactor's factored state is small: a smaller subgroup still gives many subgroups, none split.
+    subgroup_size = "4KiB" if name == "adafactor" else SUBGROUP
+    plan = jax_mlp.transform.partition.make_plan(params, inner, jax_mlp.parse_size(subgroup_size))
+    split = any(p.rows is not None for sg in plan.subgroups for p in sg.pieces)
+    assert len(plan.subgroups) >= 5
+    assert split == (name != "adafactor"), "adafactor must run on unsplit leaves; the others on a split leaf"
+    state_bytes = plan.state_nbytes
+
+    reference = run_offload(inner, params, STEPS, [paths[0] / "a"], subgroup_size=subgroup_size, prefetch_depth=1)[0]
+    variants = {
+        "part_cache_two_paths": dict(
+            paths=[paths[0] / "b", paths[1] / "b"], host_cache=state_bytes // 3, prefetch_depth=3
+        ),
+        "full_cache_three_paths": dict(paths=[p / "c" for p in paths], host_cache=2 * state_bytes, write_depth=1),
+        "reopened": dict(paths=[paths[0] / "d", paths[1] / "d"], host_cache=state_bytes // 2, reopen_at=STEPS // 2),
+    }
+    for variant, options in variants.items():
+        other = run_offload(inner, params, STEPS, options.pop("paths"), subgroup_size=subgroup_size, **options)[0]
+        assert_same_bits(other, reference, variant)
+
+    for jit in (False, True):
+        expected = run_optax(inner, params, STEPS, jit=jit)
+        deviations = max_relative_deviation(reference, expected)
+        assert max(deviations.values()) <= TOLERANCE, (jit, deviations)
+
+
+def test_low_precision_state_within_looser_bound(paths):
+    inner = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
+    params = make_params()
+    offloaded = run_offload(inner, params, STEPS, [paths[0]], subgroup_size=SUBGROUP)[0]
+    for jit in (False, True):
+        deviations = max_relative_deviation(offloaded, run_optax(inner, params, STEPS, jit=jit))
+        assert max(deviations.values()) <= 1e-3, deviations
+
+
+def test_a_skipped_subgroup_is_far_above_the_bound(paths):
+    """The tolerance is tight enough to catch a real bug: one subgroup's update skipped once."""
+    inner = optax.adam(1e-2)
+    params = make_params()
+    tx = jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    skipped_leaf = tx.offloader.plan.subgroups[2].pieces[0].leaf
+    offloaded = params
+    for step in range(STEPS):
+        updates, state = tx.update(grads_at(offloaded, step), state, offloaded)
+        if step == 4:
+            leaves, treedef = jax.tree.flatten(updates)
+            leaves[skipped_leaf] = jnp.zeros_like(leaves[skipped_leaf])
+            updates = jax.tree.unflatten(treedef, leaves)
+        offloaded = optax.apply_updates(offloaded, updates)
+    tx.close()
+    deviations = max_relative_deviation(offloaded, run_optax(inner, params, STEPS, jit=True))
+    assert max(deviations.values()) > 100 * TOLERANCE, deviations
+
+
+def test_bf16_params_with_fp32_master(paths):
+    """bf16 params, fp32 master in the tiers: within one bf16 ulp of the same scheme in memory."""
+    inner = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    params = make_params(dtype=jnp.bfloat16)
+
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    state = inner.init(master)
+    update = jax.jit(inner.update)
+    for step in range(STEPS):
+        grads = jax.tree.map(
+            lambda g: g.astype(jnp.float32), grads_at(jax.tree.map(lambda m: m.astype(jnp.bfloat16), master), step)
+        )
+        updates, state = update(grads, state, master)
+        master = optax.apply_updates(master, updates)
+    expected = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+
+    tx = jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+    opt_state = tx.init(params)
+    for step in range(STEPS):
+        grads = grads_at(params, step)
+        assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
+    tx.close()
+
+    total = differing = 0
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        got_bits = np.asarray(got).view(np.uint16).astype(np.int32)
+        want_bits = np.asarray(want).view(np.uint16).astype(np.int32)
+        assert np.max(np.abs(got_bits - want_bits)) <= 1
+        differing += int(np.sum(got_bits != want_bits))
+        total += got_bits.size
+    assert differing <= 0.001 * total, (differing, total)
+
+
+def test_apply_updates_gives_exactly_the_master_cast(paths):
+    params = make_params(dtype=jnp.bfloat16)
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+    state = tx.init(params)
+    for step in range(3):
+        updates, state = tx.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    tx.flush()
+    offloader = tx.offloader
+    for subgroup in offloader.plan.subgroups:
+        _, master = jax_mlp.transform.partition.unpack(subgroup.layout, offloader._tiers.fetch(subgroup.index, 3))
+        for piece, value in zip(subgroup.pieces, master, strict=True):
+            leaf = jax.tree.leaves(params)[piece.leaf]
+            got = np.asarray(jax_mlp.transform.partition.take_piece(leaf, piece))
+            np.testing.assert_array_equal(got.view(np.uint16), value.astype(jnp.bfloat16).view(np.uint16))
+    tx.close()

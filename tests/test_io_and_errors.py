@@ -1,0 +1,207 @@
+"""Bytes moved match the plan; bad input and failed I/O give clear errors and lose nothing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import assert_same_bits, grads_at, make_params, run_offload
+
+import jax_mlp
+from jax_mlp.tiers import HEADER_SIZE, PathStore
+
+SUBGROUP = "16KiB"
+
+
+def record_bytes(tx) -> int:
+    return sum(HEADER_SIZE + sg.layout.nbytes for sg in tx.offloader.plan.subgroups)
+
+
+def test_without_cache_each_record_is_read_and_written_once_per_update(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=paths[:2], subgroup_size=SUBGROUP, host_cache=0)
+    state = tx.init(params)
+    assert sum(tx.stats.bytes_written.values()) == record_bytes(tx)
+    for step in range(2):
+        _, state = tx.update(grads_at(params, step), state, params)
+        stats = tx.stats
+        assert stats.cache_hits == 0
+        assert stats.cache_misses == len(tx.offloader.plan.subgroups)
+        assert sum(stats.bytes_read.values()) == record_bytes(tx)
+        assert sum(stats.bytes_written.values()) == record_bytes(tx)
+        assert all(v > 0 for v in stats.bytes_read.values()), "both paths are used"
+    tx.close()
+
+
+def test_with_a_cache_larger_than_the_state_the_second_update_reads_nothing(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="64MiB")
+    state = tx.init(params)
+    for step in range(2):
+        _, state = tx.update(grads_at(params, step), state, params)
+    assert sum(tx.stats.bytes_read.values()) == 0
+    assert tx.stats.cache_hits == len(tx.offloader.plan.subgroups)
+    tx.flush()
+    tx.close()
+
+
+def test_a_partial_cache_is_reused_by_the_alternating_order(paths):
+    params = make_params()
+    plan = jax_mlp.transform.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
+    third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP, host_cache=third)
+    state = tx.init(params)
+    for step in range(3):
+        _, state = tx.update(grads_at(params, step), state, params)
+        assert tx.stats.cache_hits >= 1
+        assert tx.stats.cache_hits + tx.stats.cache_misses == len(plan.subgroups)
+    tx.close()
+
+
+def test_mismatched_grads_tree_names_the_leaf(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    grads = grads_at(params, 0)
+    missing = dict(grads)
+    del missing["temperature"]
+    with pytest.raises(ValueError, match=r"grads tree does not match.*\['temperature'\]"):
+        tx.update(missing, state, params)
+    reshaped = dict(grads, head=dict(grads["head"], w=jnp.zeros((10, 16))))
+    with pytest.raises(ValueError, match=r"grads leaf \['head'\]\['w'\] has shape \(10, 16\).*\(16, 10\)"):
+        tx.update(reshaped, state, params)
+    retyped = dict(params, embed=params["embed"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"params leaf \['embed'\] has dtype bfloat16.*float32"):
+        tx.update(grads, state, retyped)
+    updates, state = tx.update(grads, state, params)  # nothing was lost: the same update still works
+    assert int(state.step) == 1
+    tx.close()
+
+
+def test_paths_that_cannot_be_used_are_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    params = make_params()
+    with pytest.raises(jax_mlp.PathError, match=f"path {blocker}/sub cannot be created"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[blocker / "sub"]).init(params)
+    with pytest.raises(jax_mlp.PathError, match="path /sys is not writable"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=["/sys"]).init(params)
+    with pytest.raises(ValueError, match="is given twice"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "x", str(tmp_path / "x") + "/"])
+    with pytest.raises(ValueError, match="host_cache='lots' is not a size"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "y"], host_cache="lots")
+
+
+def test_sizes_accept_human_units():
+    assert jax_mlp.parse_size("256MiB") == 256 * 1024**2
+    assert jax_mlp.parse_size("1.5GB") == 1_500_000_000
+    assert jax_mlp.parse_size(4096) == 4096
+    assert jax_mlp.parse_size("0") == 0
+
+
+def test_update_under_jit_explains_how_to_split_the_step(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    with pytest.raises(jax_mlp.OffloadError, match="Split the train step"):
+        jax.jit(tx.update)(grads_at(params, 0), state, params)
+    tx.close()
+
+
+def test_a_stale_opt_state_is_refused(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    first = tx.init(params)
+    _, second = tx.update(grads_at(params, 0), first, params)
+    with pytest.raises(jax_mlp.OffloadError, match="at step 0, but the offloaded state is at step 1"):
+        tx.update(grads_at(params, 1), first, params)
+    tx.close()
+
+
+def test_a_second_run_on_the_same_directory_refuses_without_resume(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    tx.init(params)
+    tx.close()
+    with pytest.raises(jax_mlp.OffloadError, match="already holds offloaded optimizer state.*resume=True"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP).init(params)
+    with pytest.raises(jax_mlp.RecordError, match="another run or subgroup layout"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size="8KiB", resume=True).init(params)
+
+
+def test_a_corrupt_record_is_caught_by_its_checksum(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    chunk = paths[0] / "proc0000" / "sg000003.0" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[HEADER_SIZE + 5] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(jax_mlp.RecordError, match="sg000003.0 fails its checksum"):
+        tx.update(grads_at(params, 0), state, params)
+    tx.close()
+
+
+def test_a_failed_write_loses_nothing_and_the_update_can_be_retried(paths, monkeypatch):
+    params = make_params()
+    options = dict(subgroup_size=SUBGROUP, host_cache="20KiB")
+    expected = run_offload(optax.adam(1e-2), params, 3, [paths[1]], **options)[0]
+
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], **options)
+    state = tx.init(params)
+    current = params
+    updates, state = tx.update(grads_at(current, 0), state, current)
+    current = optax.apply_updates(current, updates)
+
+    original_write = PathStore.write
+
+    def failing_write(self, subgroup, slot, record):
+        if subgroup == 4:
+            raise jax_mlp.PathError(f"path {self.root} is full (no space left on device)")
+        return original_write(self, subgroup, slot, record)
+
+    monkeypatch.setattr(PathStore, "write", failing_write)
+    with pytest.raises(jax_mlp.PathError, match="is full"):
+        tx.update(grads_at(current, 1), state, current)
+    monkeypatch.setattr(PathStore, "write", original_write)
+    for step in (1, 2):
+        updates, state = tx.update(grads_at(current, step), state, current)
+        current = optax.apply_updates(current, updates)
+    tx.close()
+    assert_same_bits(current, expected)
+
+
+def test_stats_are_easy_to_log(paths):
+    params = make_params()
+    logged = []
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, on_stats=logged.append)
+    state = tx.init(params)
+    _, state = tx.update(grads_at(params, 0), state, params)
+    assert [s.step for s in logged] == [0, 1]
+    row = logged[-1].as_dict()
+    assert row["step"] == 1 and row[f"bytes_read/{paths[0]}"] > 0
+    assert all(isinstance(v, (int, float)) for v in row.values())
+    assert logged[0].compiles >= 1 and logged[-1].total_compiles >= logged[-1].compiles
+    tx.close()
+
+
+def test_chunks_of_one_leaf_share_a_compilation(paths):
+    params = {"big": jnp.ones((1024, 64), jnp.float32)}
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size="16KiB")
+    state = tx.init(params)
+    _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert len(tx.offloader.plan.subgroups) >= 16
+    assert tx.stats.compiles <= 2  # full-size chunks and the last one
+    tx.close()
+
+
+def test_context_manager_flushes_and_delete_removes_files(paths):
+    params = make_params()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="1MiB") as tx:
+        state = tx.init(params)
+        tx.update(grads_at(params, 0), state, params)
+    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True)
+    assert int(resumed.init(params).step) == 1
+    resumed.close(delete=True)
+    assert not paths[0].exists()
