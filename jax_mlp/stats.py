@@ -5,6 +5,24 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
+import jax
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = threading.local()
+
+
+def _count_compile(event: str, duration_secs: float, **_: Any) -> None:
+    if event == _BACKEND_COMPILE_EVENT:
+        _compiles.count = compiles_on_this_thread() + 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compiles_on_this_thread() -> int:
+    """XLA compilations run on the calling thread so far (jit caches hits are not counted)."""
+    return getattr(_compiles, "count", 0)
+
 
 class UpdateStats(NamedTuple):
     """Statistics of one ``update`` (or of ``init``, at step 0).
@@ -19,8 +37,8 @@ class UpdateStats(NamedTuple):
       bytes_written: bytes written to each path, keyed by path.
       cache_hits: subgroups served by the host cache.
       cache_misses: subgroups read from a path.
-      compiles: compilations this call triggered.
-      total_compiles: distinct compiled subgroup functions so far.
+      compiles: XLA compilations this call triggered.
+      total_compiles: XLA compilations all calls of this offloader triggered so far.
     """
 
     step: int
@@ -36,16 +54,16 @@ class UpdateStats(NamedTuple):
     total_compiles: int
 
     def as_dict(self) -> dict[str, Any]:
-        """A flat, JSON-ready dict: ``bytes_read/<path>`` style keys for per-path figures."""
+        """A flat, JSON-ready dict, with ``bytes_read[<path>]`` style keys for per-path figures."""
         flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, dict)}
         for name in ("bytes_read", "bytes_written"):
             for path, nbytes in getattr(self, name).items():
-                flat[f"{name}/{path}"] = nbytes
+                flat[f"{name}[{path}]"] = nbytes
         return flat
 
 
 class IOCounters:
-    """Thread-safe counters of bytes per path and cache hits, reset at each update."""
+    """Thread-safe counters of bytes per path and cache hits, since the last ``reset``."""
 
     def __init__(self, paths: list[str]):
         self._paths = paths

@@ -1,7 +1,7 @@
 """Tiers: a bounded host-RAM cache and tensorstore-backed storage paths, holding records.
 
-A *record* is one subgroup's state at one step: a 64-byte header (magic, step, layout hash,
-payload size, CRC-32) followed by the raw payload. Each record is a zarr3 uint8 array with the
+A *record* is one subgroup's state at one step: a 64-byte header (magic, version, step, payload
+size, layout hash, and a CRC-32 of the header and payload) followed by the raw payload. Each record is a zarr3 uint8 array with the
 ``bytes`` codec and 4 MiB chunks, written with ``file_io_sync`` off and many chunks in flight: the
 fastest tensorstore layout measured here (see docs/architecture.md). Step ``s`` of subgroup ``k``
 lives in slot ``s % 2``, so writing step ``s + 1`` never touches step ``s``.
@@ -27,7 +27,8 @@ HEADER_SIZE = 64
 CHUNK_BYTES = 4 * 1024**2
 _MAGIC = b"JMLP"
 _VERSION = 1
-_HEADER = struct.Struct("<4sHxxqQ16sI")
+_HEADER = struct.Struct("<4sHxxqQ16s")  # magic, version, step, payload bytes, layout hash
+_CRC_OFFSET = HEADER_SIZE - 4  # the CRC-32 of bytes [0, 60) and of the payload ends the header
 RUN_FILE = "run.json"
 
 
@@ -58,15 +59,16 @@ def payload_of(record: np.ndarray) -> np.ndarray:
     return record[HEADER_SIZE:]
 
 
-def _checksum(header_fields: bytes, payload: np.ndarray) -> int:
-    return zlib.crc32(payload, zlib.crc32(header_fields))
+def _checksum(record: np.ndarray) -> int:
+    return zlib.crc32(payload_of(record), zlib.crc32(record[:_CRC_OFFSET]))
 
 
 def seal(record: np.ndarray, step: int, layout_hash: bytes) -> None:
-    """Writes the header of ``record`` for ``step``, with the checksum of its payload."""
-    payload = payload_of(record)
-    fields = _HEADER.pack(_MAGIC, _VERSION, step, payload.nbytes, layout_hash, 0)[:-4]
-    record[: _HEADER.size] = np.frombuffer(fields + struct.pack("<I", _checksum(fields, payload)), np.uint8)
+    """Writes the header of ``record`` for ``step``, ending with the checksum of header and payload."""
+    fields = _HEADER.pack(_MAGIC, _VERSION, step, record.nbytes - HEADER_SIZE, layout_hash)
+    record[:_CRC_OFFSET] = 0
+    record[: _HEADER.size] = np.frombuffer(fields, np.uint8)
+    record[_CRC_OFFSET:HEADER_SIZE] = np.frombuffer(struct.pack("<I", _checksum(record)), np.uint8)
 
 
 class Header(NamedTuple):
@@ -82,7 +84,8 @@ def read_header(record: np.ndarray, name: str) -> Header:
     """Decodes a record's header; raises RecordError naming ``name`` when it is not one."""
     if record.nbytes < HEADER_SIZE:
         raise RecordError(f"record {name} is truncated ({record.nbytes} bytes, less than its header)")
-    magic, version, step, nbytes, layout_hash, checksum = _HEADER.unpack(record[: _HEADER.size].tobytes())
+    magic, version, step, nbytes, layout_hash = _HEADER.unpack(record[: _HEADER.size].tobytes())
+    (checksum,) = struct.unpack("<I", record[_CRC_OFFSET:HEADER_SIZE].tobytes())
     if magic != _MAGIC or version != _VERSION:
         raise RecordError(f"record {name} has no jax_mlp header: it is not a jax_mlp record or it was never written")
     return Header(step, nbytes, layout_hash, checksum)
@@ -92,26 +95,24 @@ def verify(record: np.ndarray, *, name: str, step: int, layout_hash: bytes) -> n
     """Checks a record read back from storage and returns its payload.
 
     Raises:
-      RecordError: naming the record, when the header, size, layout hash, step or checksum is wrong.
+      RecordError: naming the record, when the header, size, checksum, layout hash or step is wrong.
     """
     header = read_header(record, name)
     remedy = "restore the last checkpoint, or resume from the tiers at the last complete step"
+    if header.payload_nbytes != record.nbytes - HEADER_SIZE:
+        raise RecordError(
+            f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; {remedy}"
+        )
+    if _checksum(record) != header.checksum:
+        raise RecordError(f"record {name} fails its checksum: it is corrupt or torn; {remedy}")
     if header.layout_hash != layout_hash:
         raise RecordError(
             f"record {name} belongs to another run or subgroup layout (layout hash {header.layout_hash.hex()}, "
             f"expected {layout_hash.hex()}); use a fresh directory or the same params, optimizer and subgroup_size"
         )
-    if header.payload_nbytes != record.nbytes - HEADER_SIZE:
-        raise RecordError(
-            f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; {remedy}"
-        )
     if header.step != step:
         raise RecordError(f"record {name} holds step {header.step}, expected step {step}; {remedy}")
-    payload = payload_of(record)
-    fields = record[: _HEADER.size - 4].tobytes()
-    if _checksum(fields, payload) != header.checksum:
-        raise RecordError(f"record {name} fails its checksum: it is corrupt or torn; {remedy}")
-    return payload
+    return payload_of(record)
 
 
 class CacheEntry(NamedTuple):

@@ -8,6 +8,7 @@ subgroup: fetch, ``device_put``, the jitted inner update on the subgroup's view,
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -23,10 +24,11 @@ from jax_mlp.config import OffloadConfig
 from jax_mlp.engine import Engine, Timings
 from jax_mlp.partition import Plan, Subgroup
 from jax_mlp.scheduler import Scheduler
-from jax_mlp.stats import IOCounters, UpdateStats
+from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread
 from jax_mlp.tiers import HostCache, OffloadError, PathStore, RecordError, TierStack, new_record, payload_of, seal
 
 _RUN_FORMAT = 1
+logger = logging.getLogger(__name__)
 
 
 class OffloadState(NamedTuple):
@@ -48,15 +50,31 @@ def _as_arrays(tree: Any) -> Any:
     return nnx.as_pure(tree) if nnx is not None and hasattr(nnx, "as_pure") else tree
 
 
+def _check_supported(params: Any) -> None:
+    """Refuses what this version cannot offload: an empty tree, leaves sharded over several devices."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not path_leaves:
+        raise ValueError("params has no leaves: there is no optimizer state to offload")
+    for path, leaf in path_leaves:
+        if isinstance(leaf, jax.Array) and len(leaf.devices()) > 1:
+            raise ValueError(
+                f"param {jax.tree_util.keystr(path)} spans {len(leaf.devices())} devices; this version of "
+                "mlp_offload handles params on a single device: put them on one device"
+            )
+
+
 def _is_tracer(tree: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _first_device(leaves: Sequence[Any]) -> jax.Device:
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            return next(iter(leaf.devices()))
-    return jax.devices()[0]
+def _placement(leaves: Sequence[jax.Array]) -> jax.Device | None:
+    """Where subgroups go: the device of a committed input, or None to stay uncommitted.
+
+    Uncommitted inputs give uncommitted updates, so the user's params keep their commitment and
+    their jitted step does not recompile.
+    """
+    first = leaves[0]
+    return next(iter(first.devices())) if first.committed else None
 
 
 class _SubgroupSpec(NamedTuple):
@@ -70,6 +88,7 @@ class _SubgroupSpec(NamedTuple):
     treedef: Any
     num_leaves: int
     pieces: tuple[partition.Piece, ...]
+    dtypes: tuple[np.dtype, ...]
     state_treedef: Any
     master_dtype: np.dtype | None
 
@@ -78,16 +97,13 @@ class _SubgroupSpec(NamedTuple):
         pieces = tuple(
             p if p.rows is None else partition.Piece(p.leaf, (0, p.rows[1] - p.rows[0])) for p in subgroup.pieces
         )
-        return cls(inner, plan.treedef, len(plan.leaves), pieces, subgroup.layout.state_treedef, plan.master_dtype)
+        dtypes = tuple(plan.master_dtype or plan.leaves[p.leaf].dtype for p in pieces)
+        return cls(
+            inner, plan.treedef, len(plan.leaves), pieces, dtypes, subgroup.layout.state_treedef, plan.master_dtype
+        )
 
     def view(self, values: Sequence[Any]) -> Any:
         return partition.view_of(self.treedef, self.num_leaves, self.pieces, values)
-
-
-class _TraceCounter:
-    """Counts traces of the subgroup functions: each is one compilation."""
-
-    count = 0
 
 
 def _slice_rows(leaf: jax.Array, start: jax.Array, piece: partition.Piece) -> jax.Array:
@@ -99,7 +115,6 @@ def _slice_rows(leaf: jax.Array, start: jax.Array, piece: partition.Piece) -> ja
 @functools.partial(jax.jit, static_argnums=0)
 def _subgroup_init(spec: _SubgroupSpec, params: Sequence[jax.Array], starts: Sequence[jax.Array]) -> tuple:
     """The inner optimizer's initial state (and master params) for one subgroup."""
-    _TraceCounter.count += 1
     pieces = [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
     if spec.master_dtype is not None:
         pieces = [x.astype(spec.master_dtype) for x in pieces]
@@ -111,7 +126,7 @@ def _subgroup_init(spec: _SubgroupSpec, params: Sequence[jax.Array], starts: Seq
 def _subgroup_update(
     spec: _SubgroupSpec,
     grads: Sequence[jax.Array],
-    params: Sequence[jax.Array],
+    params: Sequence[jax.Array] | None,
     starts: Sequence[jax.Array],
     state_leaves: Sequence[jax.Array],
     master_leaves: Sequence[jax.Array],
@@ -120,20 +135,24 @@ def _subgroup_update(
     """One subgroup's inner update on its view.
 
     Gradients are up-cast here to the dtype the optimizer works in (the master dtype, or the
-    param dtype). Updates of a row chunk are written into its leaf's accumulator in place.
+    param dtype). ``params`` may be None (no master) when the inner optimizer needs none. Updates
+    of a row chunk are written into its leaf's accumulator in place.
 
     Returns:
       Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
     """
-    _TraceCounter.count += 1
-    param_pieces = [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
-    inner_params = list(master_leaves) if spec.master_dtype is not None else param_pieces
     grad_pieces = [
-        _slice_rows(g, s, p).astype(x.dtype)
-        for g, s, p, x in zip(grads, starts, spec.pieces, inner_params, strict=True)
+        _slice_rows(g, s, p).astype(d) for g, s, p, d in zip(grads, starts, spec.pieces, spec.dtypes, strict=True)
     ]
+    param_pieces = (
+        None if params is None else [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
+    )
+    if spec.master_dtype is not None:
+        inner_params = spec.view(master_leaves)
+    else:
+        inner_params = None if param_pieces is None else spec.view(param_pieces)
     state = jax.tree_util.tree_unflatten(spec.state_treedef, state_leaves)
-    updates, new_state = spec.inner.update(spec.view(grad_pieces), state, spec.view(inner_params))
+    updates, new_state = spec.inner.update(spec.view(grad_pieces), state, inner_params)
     update_pieces = jax.tree_util.tree_leaves(updates)
     if spec.master_dtype is not None:
         new_master = [optax.apply_updates(m, u) for m, u in zip(master_leaves, update_pieces, strict=True)]
@@ -143,7 +162,7 @@ def _subgroup_update(
         ]
     else:
         new_master = []
-        user_updates = [u.astype(p.dtype) for u, p in zip(update_pieces, param_pieces, strict=True)]
+        user_updates = [u.astype(d) for u, d in zip(update_pieces, spec.dtypes, strict=True)]
     outputs = [
         u if piece.rows is None else jax.lax.dynamic_update_slice_in_dim(acc, u, start, axis=0)
         for piece, start, u, acc in zip(spec.pieces, starts, user_updates, accumulators, strict=True)
@@ -183,40 +202,50 @@ class Offloader:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def _open_tiers(self, plan: Plan) -> None:
-        paths = [PathStore(p, jax.process_index()) for p in self.config.paths]
-        identity = {
+    def _run_identity(self) -> dict:
+        plan = self.plan
+        return {
             "format": _RUN_FORMAT,
             "layout_hash": plan.layout_hash.hex(),
             "num_subgroups": len(plan.subgroups),
             "state_bytes": plan.state_nbytes,
         }
-        for path in paths:
-            found = path.read_run_file()
-            if found is not None and not self.resume:
+
+    def _open_tiers(self) -> None:
+        """Opens the paths and checks what they hold against ``resume``; writes nothing yet."""
+        paths = [PathStore(p, jax.process_index()) for p in self.config.paths]
+        expected = self._run_identity()["layout_hash"]
+        found = {path.root: path.read_run_file() for path in paths}
+        for root, identity in found.items():
+            if identity is not None and not self.resume:
                 raise OffloadError(
-                    f"path {path.root} already holds offloaded optimizer state ({path.directory}); pass "
-                    "resume=True to continue that run, or give an empty directory"
+                    f"path {root} already holds offloaded optimizer state; pass resume=True to continue that run, "
+                    "or give an empty directory"
                 )
-            if found is not None and found.get("layout_hash") != identity["layout_hash"]:
+            if identity is not None and identity.get("layout_hash") != expected:
                 raise RecordError(
-                    f"path {path.root} holds state of another run or subgroup layout (layout hash "
-                    f"{found.get('layout_hash')}, expected {identity['layout_hash']}); resume with the same params, "
-                    "optimizer and subgroup_size, or give an empty directory"
+                    f"path {root} holds state of another run or subgroup layout (layout hash "
+                    f"{identity.get('layout_hash')}, expected {expected}); resume with the same params, optimizer "
+                    "and subgroup_size, or give an empty directory"
                 )
-        for path in paths:
-            path.write_run_file(identity)
-        self._scheduler = Scheduler(len(plan.subgroups), len(paths))
+        if self.resume and not any(found.values()):
+            raise OffloadError(
+                f"resume=True, but no path in {list(found)} holds offloaded optimizer state; check the paths, "
+                "or start a new run without resume"
+            )
+        self._scheduler = Scheduler(len(self.plan.subgroups), len(paths))
         self._counters = IOCounters([p.root for p in paths])
         self._tiers = TierStack(
-            HostCache(self.config.host_cache), paths, plan.layout_hash, self._scheduler.path_of, self._counters
+            HostCache(self.config.host_cache), paths, self.plan.layout_hash, self._scheduler.path_of, self._counters
         )
         self._engine = Engine(self.config.prefetch_depth, self.config.write_depth, self.config.io_timeout)
 
     def init(self, params: Any) -> OffloadState:
         """Plans the subgroups and streams the inner optimizer's initial state out to the tiers.
 
-        With ``resume=True`` it reopens the tiers at their last complete step instead.
+        With ``resume=True`` it reopens the tiers at their last complete step instead. The paths are
+        marked as holding this run (``run.json``) only once that has succeeded, so a failed ``init``
+        can simply be retried.
         """
         if _is_tracer(params):
             raise OffloadError(
@@ -227,26 +256,34 @@ class Offloader:
             raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
         self._check_open()
         params = _as_arrays(params)
+        _check_supported(params)
         self.plan = partition.make_plan(params, self.inner, self.config.subgroup_size, self.config.master_dtype)
-        self._open_tiers(self.plan)
-        if self.resume:
-            self.step = self._find_last_complete_step()
-        else:
-            self._write_initial_state(params)
+        try:
+            self._open_tiers()
+            if self.resume:
+                self.step = self._find_last_complete_step()
+            else:
+                self._write_initial_state(params)
+            for path in self._tiers.paths:
+                path.write_run_file(self._run_identity())
+        except BaseException:
+            if self._engine is not None:
+                self._engine.close()
+            self.plan = self._tiers = self._engine = None
+            raise
         return OffloadState(jnp.asarray(self.step, jnp.int32))
 
     def _write_initial_state(self, params: Any) -> None:
         plan = self.plan
         param_leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
-        device = _first_device(param_leaves)
+        device = _placement(param_leaves)
 
         def compute(index: int, _: None) -> tuple:
             subgroup = plan.subgroups[index]
             leaves = [param_leaves[p.leaf] for p in subgroup.pieces]
             return _subgroup_init(self._spec(subgroup), leaves, self._starts(subgroup, device))
 
-        self._counters.reset()
-        compiles = _TraceCounter.count
+        compiles = compiles_on_this_thread()
         # Written in the order of "step -1", so the cache keeps what step 0 updates first.
         order = self._scheduler.order(-1)
         timings = self._engine.run(order, lambda _: None, compute, lambda k, out: self._store(k, out, step=0))
@@ -256,24 +293,27 @@ class Offloader:
     def _find_last_complete_step(self) -> int:
         """The highest step at which every subgroup has a verified record on some path."""
         plan, tiers = self.plan, self._tiers
-        found = []
-        for subgroup in plan.subgroups:
-            steps: dict[int, int] = {}
-            for index, path in enumerate(tiers.paths):
+        found: dict[int, dict[int, int]] = {}
+
+        def scan(index: int) -> dict[int, int]:
+            steps = {}
+            for path_index, path in enumerate(tiers.paths):
                 for slot in (0, 1):
-                    step = path.verified_step(subgroup.index, slot, plan.layout_hash)
+                    step = path.verified_step(index, slot, plan.layout_hash)
                     if step is not None:
-                        steps[step] = index
-            found.append(steps)
-        common = set.intersection(*(set(steps) for steps in found))
+                        steps[step] = path_index
+            return steps
+
+        self._engine.run(range(len(plan.subgroups)), scan, found.__setitem__, lambda *_: None)
+        common = set.intersection(*(set(steps) for steps in found.values()))
         if not common:
             raise RecordError(
                 f"no step has a complete, verified record of every subgroup on paths {list(self.config.paths)}; "
                 "the tiers cannot be resumed: restore from a checkpoint"
             )
         step = max(common)
-        for subgroup, steps in zip(plan.subgroups, found, strict=True):
-            tiers.locations[subgroup.index] = steps[step]
+        for index, steps in found.items():
+            tiers.locations[index] = steps[step]
         return step
 
     def _check_open(self) -> None:
@@ -285,9 +325,8 @@ class Offloader:
         self._check_open()
         if self._tiers is None:
             return
+        self._write_back_dirty()
         self._engine.wait_background()
-        for subgroup, entry in self._tiers.cache.dirty():
-            self._tiers.write_back(subgroup, entry)
 
     def close(self, *, delete: bool = False) -> None:
         """Flushes, stops the threads and, only if ``delete``, removes the files on every path."""
@@ -320,7 +359,7 @@ class Offloader:
             spec = self._specs[subgroup.index] = _SubgroupSpec.of(self.inner, self.plan, subgroup)
         return spec
 
-    def _starts(self, subgroup: Subgroup, device: jax.Device) -> list:
+    def _starts(self, subgroup: Subgroup, device: jax.Device | None) -> list:
         return [jax.device_put(np.int32(0 if p.rows is None else p.rows[0]), device) for p in subgroup.pieces]
 
     def _store(self, index: int, computed: tuple, step: int) -> None:
@@ -339,7 +378,7 @@ class Offloader:
 
     def _finish(self, step: int, timings: Timings, compiles_before: int, extra_wait: float = 0.0) -> None:
         counters = self._counters
-        compiles = _TraceCounter.count - compiles_before
+        compiles = compiles_on_this_thread() - compiles_before
         self._total_compiles += compiles
         self.last_stats = UpdateStats(
             step=step,
@@ -354,8 +393,16 @@ class Offloader:
             compiles=compiles,
             total_compiles=self._total_compiles,
         )
+        counters.reset()  # idle-time write-backs started below count towards the next update
+        self._write_back_dirty()
         if self.on_stats is not None:
-            self.on_stats(self.last_stats)
+            try:
+                self.on_stats(self.last_stats)
+            except Exception:  # a logging failure must not desynchronise the step from the tiers
+                logger.exception("the on_stats callback of mlp_offload raised; training goes on")
+
+    def _write_back_dirty(self) -> None:
+        """Queues every dirty cached record for writing on the writer threads (idle-time I/O)."""
         for subgroup, entry in self._tiers.cache.dirty():
             self._engine.submit_background(self._tiers.write_back, subgroup, entry)
 
@@ -417,7 +464,7 @@ class Offloader:
             raise OffloadError(
                 "mlp_offload's update was called inside jax.jit (or another transformation). Split the train "
                 "step: jit the loss and gradient computation, then call tx.update(grads, opt_state, params) "
-                "and optax.apply_updates outside jit. See docs/faq.md"
+                "and optax.apply_updates outside jit. See docs/usage.md"
             )
         self._check_state(state)
         plan = self.plan
@@ -425,15 +472,14 @@ class Offloader:
         grads = self._check_tree(updates, "grads", check_dtype=False)
         if params is None and plan.master_dtype is not None:
             raise ValueError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
-        param_leaves = self._check_tree(params, "params", check_dtype=True) if params is not None else grads
-        device = _first_device(grads)
+        param_leaves = None if params is None else self._check_tree(params, "params", check_dtype=True)
+        device = _placement(grads)
         out_dtype = [np.dtype(plan.master_dtype) if plan.master_dtype is not None else s.dtype for s in plan.leaves]
         accumulators: dict[int, jax.Array] = {}
         results: dict[int, jax.Array] = {}
         step = self.step
 
-        self._counters.reset()
-        compiles = _TraceCounter.count
+        compiles = compiles_on_this_thread()
         background_wait = self._engine.wait_background()
 
         def fetch(index: int) -> list:
@@ -449,7 +495,7 @@ class Offloader:
                     accumulators[p.leaf] = jnp.zeros(plan.leaves[p.leaf].shape, out_dtype[p.leaf], device=device)
             args = (
                 [grads[p.leaf] for p in subgroup.pieces],
-                [param_leaves[p.leaf] for p in subgroup.pieces],
+                None if param_leaves is None else [param_leaves[p.leaf] for p in subgroup.pieces],
                 self._starts(subgroup, device),
                 state_leaves,
                 master_leaves,
@@ -460,12 +506,15 @@ class Offloader:
                 (accumulators if p.rows is not None else results)[p.leaf] = out
             return new_state, new_master
 
+        locations = dict(self._tiers.locations)
         try:
             timings = self._engine.run(
                 self._scheduler.order(step), fetch, compute, lambda k, out: self._store(k, out, step + 1)
             )
         except BaseException:
+            # Step ``step`` is intact in the other slot: forget every trace of the unfinished one.
             self._tiers.cache.discard_unless_step(step)
+            self._tiers.locations = locations
             raise
         results.update(accumulators)
         self.step = step + 1

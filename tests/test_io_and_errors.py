@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_same_bits, grads_at, make_params, run_offload
+from conftest import assert_same_bits, grads_at, make_params, max_relative_deviation, run_offload
 
 import jax_mlp
 from jax_mlp.tiers import HEADER_SIZE, PathStore
@@ -74,7 +74,7 @@ def test_mismatched_grads_tree_names_the_leaf(paths):
     retyped = dict(params, embed=params["embed"].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"params leaf \['embed'\] has dtype bfloat16.*float32"):
         tx.update(grads, state, retyped)
-    updates, state = tx.update(grads, state, params)  # nothing was lost: the same update still works
+    _updates, state = tx.update(grads, state, params)  # nothing was lost: the same update still works
     assert int(state.step) == 1
     tx.close()
 
@@ -113,7 +113,7 @@ def test_a_stale_opt_state_is_refused(paths):
     params = make_params()
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
     first = tx.init(params)
-    _, second = tx.update(grads_at(params, 0), first, params)
+    _, _second = tx.update(grads_at(params, 0), first, params)
     with pytest.raises(jax_mlp.OffloadError, match="at step 0, but the offloaded state is at step 1"):
         tx.update(grads_at(params, 1), first, params)
     tx.close()
@@ -124,7 +124,7 @@ def test_a_second_run_on_the_same_directory_refuses_without_resume(paths):
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
     tx.init(params)
     tx.close()
-    with pytest.raises(jax_mlp.OffloadError, match="already holds offloaded optimizer state.*resume=True"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"already holds offloaded optimizer state.*resume=True"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP).init(params)
     with pytest.raises(jax_mlp.RecordError, match="another run or subgroup layout"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size="8KiB", resume=True).init(params)
@@ -138,7 +138,7 @@ def test_a_corrupt_record_is_caught_by_its_checksum(paths):
     data = bytearray(chunk.read_bytes())
     data[HEADER_SIZE + 5] ^= 0x40
     chunk.write_bytes(bytes(data))
-    with pytest.raises(jax_mlp.RecordError, match="sg000003.0 fails its checksum"):
+    with pytest.raises(jax_mlp.RecordError, match=r"sg000003\.0 fails its checksum"):
         tx.update(grads_at(params, 0), state, params)
     tx.close()
 
@@ -180,7 +180,7 @@ def test_stats_are_easy_to_log(paths):
     _, state = tx.update(grads_at(params, 0), state, params)
     assert [s.step for s in logged] == [0, 1]
     row = logged[-1].as_dict()
-    assert row["step"] == 1 and row[f"bytes_read/{paths[0]}"] > 0
+    assert row["step"] == 1 and row[f"bytes_read[{paths[0]}]"] > 0
     assert all(isinstance(v, (int, float)) for v in row.values())
     assert logged[0].compiles >= 1 and logged[-1].total_compiles >= logged[-1].compiles
     tx.close()
@@ -205,3 +205,57 @@ def test_context_manager_flushes_and_delete_removes_files(paths):
     assert int(resumed.init(params).step) == 1
     resumed.close(delete=True)
     assert not paths[0].exists()
+
+
+def test_update_without_params_matches_optax_and_needs_them_only_when_optax_does(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    updates, state = tx.update(grads_at(params, 0), state)
+    expected, _ = optax.adam(1e-2).update(grads_at(params, 0), optax.adam(1e-2).init(params))
+    assert max(max_relative_deviation(updates, expected).values()) <= 1e-6
+    tx.close()
+
+    tx = jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="params"):  # optax's own error: adamw needs params
+        tx.update(grads_at(params, 0), state)
+    tx.close()
+
+
+def test_a_failed_resume_leaves_the_directory_usable(paths):
+    params = make_params()
+    with pytest.raises(jax_mlp.OffloadError, match=r"no path .* holds offloaded optimizer state"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], resume=True).init(params)
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]])
+    assert int(tx.init(params).step) == 0
+    tx.close()
+
+
+def test_a_failing_stats_callback_does_not_lose_the_step(paths, caplog):
+    def broken(stats):
+        raise RuntimeError("logger is down")
+
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, on_stats=broken)
+    state = tx.init(params)
+    for step in range(2):
+        _, state = tx.update(grads_at(params, step), state, params)
+    assert int(state.step) == 2
+    assert "on_stats callback" in caplog.text
+    tx.close()
+
+
+def test_updates_keep_the_params_commitment_so_steady_steps_compile_nothing(paths):
+    params = make_params()
+    assert not jax.tree.leaves(params)[0].committed
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="64KiB")
+    state = tx.init(params)
+    for step in range(3):
+        updates, state = tx.update(grads_at(params, step), state, params)
+        assert not any(u.committed for u in jax.tree.leaves(updates))
+        params = optax.apply_updates(params, updates)
+        if step > 0:
+            assert tx.stats.compiles == 0, step
+    assert tx.stats.total_compiles >= 1
+    tx.close()

@@ -1,0 +1,33 @@
+"""Nox sessions: ``nox -s tests``, ``nox -s lint`` and ``nox -s demo``.
+
+Each session installs into its own virtual environment (made with the standard ``venv`` module, so
+uv is not needed) for the Python that runs nox.
+"""
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests", "lint"]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Runs the test suite; arguments after ``--`` go to pytest (default: ``-q``)."""
+    session.install(".[test]")
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Checks lint and formatting with ruff."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Trains the example NNX model with offloaded AdamW state; arguments after ``--`` go to the script."""
+    session.install(".[examples]")
+    session.run("python", "examples/train_nnx.py", *session.posargs)
