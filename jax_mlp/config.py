@@ -105,6 +105,8 @@ class OffloadConfig:
                     "list each storage directory once"
                 )
             seen[real] = path
+        if self.host_cache < 0:
+            raise ValueError(f"host_cache must not be negative, got {self.host_cache}")
         if self.subgroup_size <= 0:
             raise ValueError(f"subgroup_size must be positive, got {self.subgroup_size}")
         for name in ("prefetch_depth", "write_depth"):

@@ -31,7 +31,8 @@ class UpdateStats(NamedTuple):
       step: the step the update produced.
       seconds: wall time of the whole call.
       read_wait_s: time the pipeline waited for records to arrive.
-      compute_s: time spent dispatching and running the inner update.
+      compute_s: time spent dispatching the jitted inner updates; dispatch is asynchronous, so the
+        device time mostly shows in ``write_wait_s``, where writer threads wait for the results.
       write_wait_s: time the pipeline waited for records to be stored.
       bytes_read: bytes read from each path, keyed by path.
       bytes_written: bytes written to each path, keyed by path.

@@ -33,7 +33,8 @@ RUN_FILE = "run.json"
 
 
 class OffloadError(RuntimeError):
-    """Base class of the errors raised by jax_mlp's tiers and pipeline."""
+    """Base class of jax_mlp's errors; raised itself for misuse (update under jit, a stale opt_state,
+    use after close, a directory of another run) and for I/O that exceeds ``io_timeout``."""
 
 
 class PathError(OffloadError):
@@ -41,7 +42,8 @@ class PathError(OffloadError):
 
 
 class RecordError(OffloadError):
-    """A record failed its checks: torn, corrupt, from another step, run or layout."""
+    """Stored state failed its checks: a record torn, corrupt, or from another step, run or layout;
+    a run of another layout on resume; or no step complete on every subgroup."""
 
 
 def record_name(subgroup: int, slot: int) -> str:

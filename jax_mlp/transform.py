@@ -583,7 +583,8 @@ def mlp_offload(
         in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly ``master.astype(params.dtype)``.
       resume: reopen the tiers at their last complete step instead of writing a fresh initial state.
       io_timeout: seconds a single record read or write may take before the update fails.
-      on_stats: called with the :class:`UpdateStats` of each init and update, e.g. to log them.
+      on_stats: called with the :class:`UpdateStats` of each update and of a fresh (not resumed) init,
+        e.g. to log them; an exception it raises is logged, never raised.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init`` returns an :class:`OffloadState` and
