@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -67,8 +68,17 @@ def format_size(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _normalise_path(path: str | os.PathLike) -> str:
+def _normalise_path(path: str | os.PathLike | dict) -> str | dict:
+    """An absolute directory, or a tensorstore kvstore spec (a dict with a ``driver``) as given."""
+    if isinstance(path, dict):
+        if "driver" not in path:
+            raise ValueError(f"path {path!r} is a dict but not a tensorstore kvstore spec: it needs a 'driver'")
+        return dict(path)
     return os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+
+def _identity(path: str | dict) -> str:
+    return json.dumps(path, sort_keys=True) if isinstance(path, dict) else os.path.realpath(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +86,8 @@ class OffloadConfig:
     """Everything that configures one ``mlp_offload``; checked once, here.
 
     Attributes:
-      paths: storage directories, one per tier path (node-local NVMe, a PFS directory, ...).
+      paths: storage directories, one per tier path (node-local NVMe, a PFS directory, ...), or
+        tensorstore kvstore specs (dicts with a ``driver``).
       host_cache: bytes of host RAM that may hold records between updates (0 disables it).
       subgroup_size: target bytes of optimizer state (plus master params) per subgroup.
       prefetch_depth: how many subgroups are read ahead of the one being updated.
@@ -85,7 +96,7 @@ class OffloadConfig:
       io_timeout: seconds after which a single read or write counts as hung and raises.
     """
 
-    paths: tuple[str, ...]
+    paths: tuple[str | dict, ...]
     host_cache: int = 0
     subgroup_size: int = 64 * 1024**2
     prefetch_depth: int = 2
@@ -96,9 +107,9 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if not self.paths:
             raise ValueError("paths is empty: give at least one directory for the offloaded state")
-        seen: dict[str, str] = {}
+        seen: dict[str, str | dict] = {}
         for path in self.paths:
-            real = os.path.realpath(path)
+            real = _identity(path)
             if real in seen:
                 raise ValueError(
                     f"path {path!r} is given twice (it is the same directory as {seen[real]!r}); "
@@ -120,7 +131,7 @@ class OffloadConfig:
     @classmethod
     def create(
         cls,
-        paths: Sequence[str | os.PathLike] | str | os.PathLike,
+        paths: Sequence[str | os.PathLike | dict] | str | os.PathLike,
         *,
         host_cache: int | str = 0,
         subgroup_size: int | str = "64MiB",

@@ -229,11 +229,11 @@ class PathStore:
                 f"path {self.root} cannot be created or used ({error.strerror}); create it or give another path"
             ) from error
 
+    def _record_kvstore(self, name: str) -> dict:
+        return {"driver": "file", "path": os.path.join(self.directory, name)}
+
     def _spec(self, name: str, nbytes: int | None) -> dict:
-        spec: dict[str, Any] = {
-            "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": os.path.join(self.directory, name)},
-        }
+        spec: dict[str, Any] = {"driver": "zarr3", "kvstore": self._record_kvstore(name)}
         if nbytes is not None:
             spec["metadata"] = {
                 "shape": [nbytes],
@@ -279,7 +279,7 @@ class PathStore:
     def verified_step(self, subgroup: int, slot: int, layout_hash: bytes) -> int | None:
         """The step of the record in ``slot`` if it exists and passes every check, else None."""
         name = os.path.join(self.directory, record_name(subgroup, slot))
-        if not os.path.exists(os.path.join(name, "zarr.json")):
+        if not self._has_record(name):
             return None
         try:
             record = self.read(subgroup, slot)
@@ -288,6 +288,9 @@ class PathStore:
         except RecordError:
             return None
         return step
+
+    def _has_record(self, name: str) -> bool:
+        return os.path.exists(os.path.join(name, "zarr.json"))
 
     def read_run_file(self) -> dict | None:
         try:
@@ -314,6 +317,69 @@ class PathStore:
         shutil.rmtree(self.directory, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(self.root)
+
+
+class KvStorePath(PathStore):
+    """A storage path given as a tensorstore kvstore spec (object storage, memory, ...).
+
+    Records live under ``<spec path>proc{process_index}/``; the run file is a key there. A spec
+    is opened in one tensorstore context, so a ``memory`` store lives as long as this object.
+    """
+
+    def __init__(self, spec: dict, process_index: int = 0):
+        self._base = dict(spec)
+        prefix = self._base.get("path", "")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        self._prefix = f"{prefix}proc{process_index:04d}/"
+        self.root = f"{self._base['driver']}://{prefix}"
+        self.directory = f"{self._base['driver']}://{self._prefix}"
+        self._context = ts.Context({"file_io_sync": False})
+        self._arrays = {}
+        self._lock = threading.Lock()
+        try:
+            self._kvstore = ts.KvStore.open({**self._base, "path": self._prefix}, context=self._context).result()
+        except Exception as error:
+            raise PathError(f"path {self.root} cannot be opened as a tensorstore kvstore: {error}") from error
+        self._ensure_writable()
+
+    def _ensure_writable(self) -> None:
+        try:
+            self._kvstore.write(".write_probe", b"0").result()
+            self._kvstore.delete_range(ts.KvStore.KeyRange(".write_probe", ".write_probe\0")).result()
+        except Exception as error:
+            raise PathError(f"writing {self.directory}: {_describe_os_error(self.root, error)}") from error
+
+    def _record_kvstore(self, name: str) -> dict:
+        return {**self._base, "path": f"{self._prefix}{name}/"}
+
+    def _has_record(self, name: str) -> bool:
+        return True  # a missing record fails its read, which verified_step treats as absent
+
+    def read(self, subgroup: int, slot: int) -> np.ndarray:
+        try:
+            return self._array(subgroup, slot, None, create=False).read().result()
+        except Exception as error:
+            name = self.directory + record_name(subgroup, slot)
+            raise RecordError(f"record {name} is missing or unreadable ({str(error).splitlines()[0]})") from error
+
+    def read_run_file(self) -> dict | None:
+        value = self._kvstore.read(RUN_FILE).result()
+        return json.loads(value.value) if value.state == "value" else None
+
+    def write_run_file(self, content: dict) -> None:
+        try:
+            self._kvstore.write(RUN_FILE, json.dumps(content).encode()).result()
+        except Exception as error:
+            raise PathError(f"writing {self.directory}{RUN_FILE}: {_describe_os_error(self.root, error)}") from error
+
+    def remove(self) -> None:
+        self._kvstore.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def open_path(path: str | dict, process_index: int = 0) -> PathStore:
+    """The store for one configured path: a local directory, or a tensorstore kvstore spec."""
+    return KvStorePath(path, process_index) if isinstance(path, dict) else PathStore(path, process_index)
 
 
 class TierStack:

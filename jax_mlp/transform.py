@@ -25,7 +25,7 @@ from jax_mlp.engine import Engine, Timings
 from jax_mlp.partition import Plan, Subgroup
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread
-from jax_mlp.tiers import HostCache, OffloadError, PathStore, RecordError, TierStack, new_record, payload_of, seal
+from jax_mlp.tiers import HostCache, OffloadError, RecordError, TierStack, new_record, open_path, payload_of, seal
 
 _RUN_FORMAT = 1
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class Offloader:
 
     def _open_tiers(self) -> None:
         """Opens the paths and checks what they hold against ``resume``; writes nothing yet."""
-        paths = [PathStore(p, jax.process_index()) for p in self.config.paths]
+        paths = [open_path(p, jax.process_index()) for p in self.config.paths]
         expected = self._run_identity()["layout_hash"]
         found = {path.root: path.read_run_file() for path in paths}
         for root, identity in found.items():
@@ -556,7 +556,7 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs):
 def mlp_offload(
     inner: optax.GradientTransformation,
     *,
-    paths: Sequence[str | os.PathLike] | str | os.PathLike,
+    paths: Sequence[str | os.PathLike | dict] | str | os.PathLike,
     host_cache: int | str = 0,
     subgroup_size: int | str = "64MiB",
     prefetch_depth: int = 2,
@@ -574,7 +574,8 @@ def mlp_offload(
     Args:
       inner: the optimizer whose state is offloaded, e.g. ``optax.adamw(1e-3)``. It must act leaf by
         leaf (adam, adamw, lion, sgd, rmsprop, ...); adafactor is exact on leaves that are not split.
-      paths: one or more directories (node-local NVMe, a parallel file system) for the state records.
+      paths: one or more directories (node-local NVMe, a parallel file system) for the state records;
+        a path may also be a tensorstore kvstore spec dict, e.g. ``{"driver": "gcs", "bucket": ..., "path": ...}``.
       host_cache: host RAM for records kept between updates, e.g. ``"8GiB"``; 0 disables the cache.
       subgroup_size: bytes of state (plus master params) streamed at once, e.g. ``"256MiB"``.
       prefetch_depth: subgroups read ahead of the one being updated.

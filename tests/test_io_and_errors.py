@@ -259,3 +259,15 @@ def test_updates_keep_the_params_commitment_so_steady_steps_compile_nothing(path
             assert tx.stats.compiles == 0, step
     assert tx.stats.total_compiles >= 1
     tx.close()
+
+
+def test_a_path_can_be_any_tensorstore_kvstore(paths):
+    """A kvstore spec (here tensorstore's in-memory store) works like a directory, bit for bit."""
+    params = make_params()
+    memory = {"driver": "memory", "path": "run1"}
+    got, stats = run_offload(optax.adam(1e-2), params, 3, [memory, paths[0]], subgroup_size=SUBGROUP)
+    assert stats.bytes_read["memory://run1/"] > 0
+    expected = run_offload(optax.adam(1e-2), params, 3, [paths[1]], subgroup_size=SUBGROUP)[0]
+    assert_same_bits(got, expected)
+    with pytest.raises(ValueError, match="needs a 'driver'"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[{"path": "x"}])
