@@ -272,7 +272,7 @@ class PathStore:
             array = self._array(subgroup, slot, None, create=False)
             return array.read().result()
         except Exception as error:
-            if not os.path.isdir(self.directory):
+            if self._is_gone():
                 raise PathError(f"reading record {name}: {_describe_os_error(self.root, error)}") from error
             raise RecordError(f"record {name} is missing or unreadable ({str(error).splitlines()[0]})") from error
 
@@ -291,6 +291,9 @@ class PathStore:
 
     def _has_record(self, name: str) -> bool:
         return os.path.exists(os.path.join(name, "zarr.json"))
+
+    def _is_gone(self) -> bool:
+        return not os.path.isdir(self.directory)
 
     def read_run_file(self) -> dict | None:
         try:
@@ -356,12 +359,8 @@ class KvStorePath(PathStore):
     def _has_record(self, name: str) -> bool:
         return True  # a missing record fails its read, which verified_step treats as absent
 
-    def read(self, subgroup: int, slot: int) -> np.ndarray:
-        try:
-            return self._array(subgroup, slot, None, create=False).read().result()
-        except Exception as error:
-            name = self.directory + record_name(subgroup, slot)
-            raise RecordError(f"record {name} is missing or unreadable ({str(error).splitlines()[0]})") from error
+    def _is_gone(self) -> bool:
+        return False  # a kvstore has no directory to vanish; a failed read is a missing record
 
     def read_run_file(self) -> dict | None:
         value = self._kvstore.read(RUN_FILE).result()
