@@ -59,15 +59,6 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     return int(size)
 
 
-def format_size(nbytes: float) -> str:
-    """Formats a byte count for humans, in binary units (``"16.0 MiB"``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def _normalise_path(path: str | os.PathLike | dict) -> str | dict:
     """An absolute directory, or a tensorstore kvstore spec (a dict with a ``driver``) as given."""
     if isinstance(path, dict):

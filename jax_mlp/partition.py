@@ -87,22 +87,12 @@ def piece_shape(spec: LeafSpec, piece: Piece) -> tuple[int, ...]:
     return (piece.rows[1] - piece.rows[0], *spec.shape[1:])
 
 
-def take_piece(leaf: Any, piece: Piece) -> Any:
-    """The part of ``leaf`` that ``piece`` covers; works on arrays and tracers."""
-    return leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]]
-
-
 def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values: Sequence[Any]) -> Any:
     """The user's tree with ``piece_values`` at their pieces' leaves and ``None`` elsewhere."""
     leaves: list[Any] = [None] * num_leaves
     for piece, value in zip(pieces, piece_values, strict=True):
         leaves[piece.leaf] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def build_view(plan: Plan, subgroup: Subgroup, piece_values: Sequence[Any]) -> Any:
-    """The view of ``subgroup``: see :func:`view_of`."""
-    return view_of(plan.treedef, len(plan.leaves), subgroup.pieces, piece_values)
 
 
 def _abstract_pieces(plan_leaves: Sequence[LeafSpec], pieces: Sequence[Piece], dtype: np.dtype | None) -> list:
