@@ -28,6 +28,6 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Trains the example NNX model with offloaded AdamW state; arguments after ``--`` go to the script."""
+    """Trains a small GPT (Flax NNX) with offloaded AdamW state; arguments after ``--`` go to the script."""
     session.install(".[examples]")
-    session.run("python", "examples/train_nnx.py", *session.posargs)
+    session.run("python", "examples/train_gpt.py", *session.posargs)

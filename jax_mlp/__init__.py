@@ -3,22 +3,30 @@
 ``mlp_offload(inner, paths=...)`` wraps an element-wise optax optimizer; see the README.
 """
 
-from jax_mlp.config import OffloadConfig, parse_size
+from jax_mlp.checkpoint import OffloadCheckpointHandler, OffloadRestore, OffloadSave, restore_params, standard_layout
+from jax_mlp.config import OffloadConfig, Path, parse_rate, parse_size
 from jax_mlp.stats import UpdateStats
 from jax_mlp.tiers import OffloadError, PathError, RecordError
 from jax_mlp.transform import Offloader, OffloadState, OffloadTransformation, mlp_offload
 
 __all__ = [
+    "OffloadCheckpointHandler",
     "OffloadConfig",
     "OffloadError",
+    "OffloadRestore",
+    "OffloadSave",
     "OffloadState",
     "OffloadTransformation",
     "Offloader",
+    "Path",
     "PathError",
     "RecordError",
     "UpdateStats",
     "mlp_offload",
+    "parse_rate",
     "parse_size",
+    "restore_params",
+    "standard_layout",
 ]
 
 __version__ = "0.1.0"

@@ -42,7 +42,8 @@ class Engine:
         self._writers = concurrent.futures.ThreadPoolExecutor(write_depth, thread_name_prefix="jax_mlp-write")
         self._background: list[concurrent.futures.Future] = []
 
-    def _result(self, future: concurrent.futures.Future, what: str) -> Any:
+    def result(self, future: concurrent.futures.Future, what: str) -> Any:
+        """The future's result, waiting at most ``io_timeout``; ``what`` names it in the error."""
         try:
             return future.result(timeout=self.io_timeout)
         except concurrent.futures.TimeoutError:
@@ -50,7 +51,7 @@ class Engine:
                 f"{what} did not finish within io_timeout={self.io_timeout:g}s; the storage path may be hung"
             ) from None
 
-    def _settle(self, futures: Iterable[concurrent.futures.Future]) -> None:
+    def settle(self, futures: Iterable[concurrent.futures.Future]) -> None:
         """Cancels what has not started and waits (bounded) for the rest, ignoring their errors."""
         futures = list(futures)
         for future in futures:
@@ -95,14 +96,14 @@ class Engine:
                 key, future = reads.popleft()
                 read_ahead()
                 t0 = time.perf_counter()
-                fetched = self._result(future, f"reading subgroup {key}")
+                fetched = self.result(future, f"reading subgroup {key}")
                 t1 = time.perf_counter()
                 computed = compute(key, fetched)
                 del fetched
                 t2 = time.perf_counter()
                 while len(writes) >= self.write_depth:
                     done_key, done = writes.popleft()
-                    self._result(done, f"storing subgroup {done_key}")
+                    self.result(done, f"storing subgroup {done_key}")
                 t3 = time.perf_counter()
                 writes.append((key, self._writers.submit(store, key, computed)))
                 del computed
@@ -112,12 +113,16 @@ class Engine:
             t4 = time.perf_counter()
             while writes:
                 done_key, done = writes.popleft()
-                self._result(done, f"storing subgroup {done_key}")
+                self.result(done, f"storing subgroup {done_key}")
             write_wait += time.perf_counter() - t4
         except BaseException:
-            self._settle([f for _, f in reads] + [f for _, f in writes])
+            self.settle([f for _, f in reads] + [f for _, f in writes])
             raise
         return Timings(time.perf_counter() - start, read_wait, compute_time, write_wait)
+
+    def read_ahead(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Runs ``fn(*args)`` on a reader thread now, for a later :meth:`run` to collect."""
+        return self._readers.submit(fn, *args)
 
     def submit_background(self, fn: Callable[..., None], *args: Any) -> None:
         """Runs ``fn(*args)`` on a writer thread after the current update (idle-time I/O)."""
@@ -129,9 +134,9 @@ class Engine:
         background, self._background = self._background, []
         try:
             for future in background:
-                self._result(future, "writing back a cached subgroup")
+                self.result(future, "writing back a cached subgroup")
         except BaseException:
-            self._settle(background)
+            self.settle(background)
             raise
         return time.perf_counter() - start
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = threading.local()
+EVENT_KINDS = ("read", "compute", "write")
 
 
 def _count_compile(event: str, duration_secs: float, **_: Any) -> None:
@@ -22,6 +28,46 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 def compiles_on_this_thread() -> int:
     """XLA compilations run on the calling thread so far (jit caches hits are not counted)."""
     return getattr(_compiles, "count", 0)
+
+
+class IOEvent(NamedTuple):
+    """One timed piece of an update's work.
+
+    Attributes:
+      kind: ``"read"`` or ``"write"`` of a record on a path, or ``"compute"``: dispatching the jitted
+        inner update of one subgroup (asynchronous, so the device may still be busy after ``end``).
+      path: the path read or written; None for compute.
+      subgroup: the subgroup's index.
+      start: seconds from the start of the update; negative for work done before it, between
+        updates (idle-time write-backs and reads ahead of the previous update).
+      end: seconds from the start of the update.
+    """
+
+    kind: str
+    path: str | None
+    subgroup: int
+    start: float
+    end: float
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: time during which any was running.
+
+    Args:
+      intervals: the intervals, in any order; they may overlap.
+
+    Returns:
+      Seconds covered by at least one interval.
+    """
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+_NO_PLACEMENT: Mapping[str, int] = MappingProxyType({})
 
 
 class UpdateStats(NamedTuple):
@@ -40,6 +86,9 @@ class UpdateStats(NamedTuple):
       cache_misses: subgroups read from a path.
       compiles: XLA compilations this call triggered.
       total_compiles: XLA compilations all calls of this offloader triggered so far.
+      events: every record read and write, and every subgroup's compute, that counts towards this
+        call, as :class:`IOEvent` s timed from its start.
+      placement: how many subgroups have their newest stored record on each path, keyed by path.
     """
 
     step: int
@@ -53,18 +102,79 @@ class UpdateStats(NamedTuple):
     cache_misses: int
     compiles: int
     total_compiles: int
+    events: tuple[IOEvent, ...] = ()
+    placement: Mapping[str, int] = _NO_PLACEMENT
+
+    @property
+    def paths(self) -> list[str]:
+        """The storage paths, in the order of the ``paths`` option."""
+        return list(self.bytes_read)
+
+    def busy_s(self, kind: str, path: str) -> float:
+        """Seconds during which ``path`` was doing at least one transfer of ``kind`` (read or write)."""
+        return busy_seconds((e.start, e.end) for e in self.events if e.kind == kind and e.path == path)
 
     def as_dict(self) -> dict[str, Any]:
-        """A flat, JSON-ready dict, with ``bytes_read[<path>]`` style keys for per-path figures."""
-        flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, dict)}
-        for name in ("bytes_read", "bytes_written"):
-            for path, nbytes in getattr(self, name).items():
-                flat[f"{name}[{path}]"] = nbytes
+        """A flat, JSON-ready dict, with ``bytes_read[<path>]`` style keys for per-path figures.
+
+        Returns:
+          The scalar fields, then per path: ``bytes_read``, ``bytes_written``, ``read_busy_s`` and
+          ``write_busy_s`` (seconds the path spent reading or writing) and ``placement`` (subgroups
+          stored there).
+        """
+        flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, (Mapping, tuple))}
+        for path in self.paths:
+            flat[f"bytes_read[{path}]"] = self.bytes_read[path]
+            flat[f"bytes_written[{path}]"] = self.bytes_written[path]
+            flat[f"read_busy_s[{path}]"] = self.busy_s("read", path)
+            flat[f"write_busy_s[{path}]"] = self.busy_s("write", path)
+            flat[f"placement[{path}]"] = self.placement.get(path, 0)
         return flat
+
+    def summary(self) -> str:
+        """A few readable lines: where the time went, then bytes, throughput and placement per path."""
+        lines = [
+            f"step {self.step}: {self.seconds * 1e3:.1f} ms (waiting on reads {self.read_wait_s * 1e3:.1f} ms, "
+            f"computing {self.compute_s * 1e3:.1f} ms, waiting on writes {self.write_wait_s * 1e3:.1f} ms); "
+            f"cache {self.cache_hits} hits, {self.cache_misses} misses; "
+            f"{self.compiles} compilations ({self.total_compiles} so far)"
+        ]
+        width = max(len(path) for path in self.paths)
+        lines.append(f"  {'path':<{width}}  {'read':>10}  {'written':>10}  {'read/s':>10}  {'write/s':>10}  subgroups")
+        for path in self.paths:
+            rates = [
+                format_bytes(nbytes / busy) + "/s" if busy > 0 else "-"
+                for nbytes, busy in (
+                    (self.bytes_read[path], self.busy_s("read", path)),
+                    (self.bytes_written[path], self.busy_s("write", path)),
+                )
+            ]
+            lines.append(
+                f"  {path:<{width}}  {format_bytes(self.bytes_read[path]):>10}  "
+                f"{format_bytes(self.bytes_written[path]):>10}  {rates[0]:>10}  {rates[1]:>10}  "
+                f"{self.placement.get(path, 0):>9}"
+            )
+        return "\n".join(lines)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` with a binary unit, e.g. ``"1.5 MiB"``.
+
+    Args:
+      nbytes: a number of bytes.
+
+    Returns:
+      The size, with one decimal above a KiB.
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{int(nbytes)} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
 
 
 class IOCounters:
-    """Thread-safe counters of bytes per path and cache hits, since the last ``reset``."""
+    """Thread-safe counters of bytes per path and cache hits, and timed events, since the last ``reset``."""
 
     def __init__(self, paths: list[str]):
         self._paths = paths
@@ -77,16 +187,107 @@ class IOCounters:
             self.bytes_written = dict.fromkeys(self._paths, 0)
             self.cache_hits = 0
             self.cache_misses = 0
+            self._events: list[IOEvent] = []
 
-    def read(self, path: str, nbytes: int) -> None:
+    def read(self, path: str, nbytes: int, *, subgroup: int = -1, started: float | None = None) -> None:
+        """Counts a record read from ``path``; with ``started`` (a ``time.perf_counter()``), times it too."""
         with self._lock:
             self.bytes_read[path] += nbytes
             self.cache_misses += 1
+        if started is not None:
+            self.event("read", path, subgroup, started)
 
-    def wrote(self, path: str, nbytes: int) -> None:
+    def wrote(self, path: str, nbytes: int, *, subgroup: int = -1, started: float | None = None) -> None:
+        """Counts a record written to ``path``; with ``started``, times it too."""
         with self._lock:
             self.bytes_written[path] += nbytes
+        if started is not None:
+            self.event("write", path, subgroup, started)
 
     def hit(self) -> None:
         with self._lock:
             self.cache_hits += 1
+
+    def event(self, kind: str, path: str | None, subgroup: int, started: float) -> None:
+        """Records that ``kind`` work on ``subgroup`` ran from ``started`` (``time.perf_counter()``) until now."""
+        event = IOEvent(kind, path, subgroup, started, time.perf_counter())
+        with self._lock:
+            self._events.append(event)
+
+    def events_since(self, origin: float) -> tuple[IOEvent, ...]:
+        """The events so far, timed relative to ``origin`` (a ``time.perf_counter()``), by start time."""
+        with self._lock:
+            events = list(self._events)
+        shifted = (e._replace(start=e.start - origin, end=e.end - origin) for e in events)
+        return tuple(sorted(shifted, key=lambda e: e.start))
+
+
+def log_line(stats: UpdateStats) -> dict[str, Any]:
+    """The JSON object ``log_to`` writes for one ``init`` or ``update``.
+
+    Args:
+      stats: the call's statistics.
+
+    Returns:
+      ``stats.as_dict()``, plus ``time`` (Unix time of the line), ``paths`` (the paths, in order)
+      and ``events``: one ``[kind, path index or null, subgroup, start_s, end_s]`` per
+      :class:`IOEvent`, times relative to the start of the call.
+    """
+    paths = stats.paths
+    index = {path: i for i, path in enumerate(paths)}
+    line = stats.as_dict()
+    line["time"] = time.time()
+    line["paths"] = paths
+    line["events"] = [[e.kind, index.get(e.path), e.subgroup, round(e.start, 6), round(e.end, 6)] for e in stats.events]
+    return line
+
+
+class StatsLog:
+    """Appends one JSON line per ``init`` and ``update`` to a file: the ``log_to`` option of ``mlp_offload``.
+
+    The file is opened, appended to and closed for every line, so it is complete after each update
+    and can be read (or plotted with ``jax-mlp report``) while training runs.
+
+    Args:
+      path: the file to write.
+      append: keep the lines already in the file (a resumed run); otherwise the file starts empty.
+
+    Raises:
+      ValueError: if the file cannot be created or written.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, append: bool = False):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"log_to must be a file name, got {type(path).__name__}")
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        try:
+            with open(self.path, "a" if append else "w", encoding="utf-8"):
+                pass
+        except OSError as error:
+            raise ValueError(f"log_to={self.path!r} cannot be written ({error.strerror})") from error
+
+    def __call__(self, stats: UpdateStats) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(log_line(stats)) + "\n")
+
+
+def fan_out(*callbacks: Callable[[UpdateStats], None] | None) -> Callable[[UpdateStats], None] | None:
+    """One ``on_stats`` callback that calls each given one; None if none is given.
+
+    Every callback runs even if an earlier one raises; the first exception is then re-raised.
+    """
+    given = [c for c in callbacks if c is not None]
+    if len(given) <= 1:
+        return given[0] if given else None
+
+    def call_each(stats: UpdateStats) -> None:
+        errors = []
+        for callback in given:
+            try:
+                callback(stats)
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    return call_each

@@ -12,16 +12,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import threading
+import time
 import zlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
+
+from jax_mlp.config import Path
 
 HEADER_SIZE = 64
 CHUNK_BYTES = 4 * 1024**2
@@ -145,6 +152,17 @@ class HostCache:
                 self._entries.move_to_end(key)
             return entry
 
+    def holds(self, key: int, step: int) -> bool:
+        """Whether ``key``'s record at ``step`` is cached (without touching the LRU order)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.step == step
+
+    def peek(self, key: int) -> CacheEntry | None:
+        """The cached entry of ``key``, or None, without touching the LRU order."""
+        with self._lock:
+            return self._entries.get(key)
+
     def fits(self, nbytes: int) -> bool:
         """Whether a record of ``nbytes`` can be cached at all."""
         return nbytes <= self.capacity
@@ -187,15 +205,154 @@ class HostCache:
             self.nbytes = 0
 
 
+_TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+
+
+def _errno_of(error: BaseException) -> int | None:
+    """The OS error number of an OSError, or the one tensorstore quotes in its message."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    match = _TENSORSTORE_ERRNO.search(str(error))
+    return int(match.group(1)) if match else None
+
+
 def _describe_os_error(path: str, error: BaseException) -> str:
-    text = str(error)
-    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in text:
+    text, number = str(error), _errno_of(error)
+    if number == errno.ENOSPC or "No space left" in text:
         return f"path {path} is full (no space left on device); free space there or give another path"
-    if (isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)) or "ermission" in text:
+    if number == errno.EROFS:
+        return f"path {path} is not writable (a read-only file system); remount it read-write or give another path"
+    if number in (errno.EACCES, errno.EPERM) or "ermission" in text:
         return f"path {path} is not writable; fix its permissions or give another path"
-    if (isinstance(error, OSError) and error.errno == errno.ENOENT) or "NOT_FOUND" in text or "No such file" in text:
+    if number == errno.ENOENT or "NOT_FOUND" in text or "No such file" in text:
         return f"path {path} is gone (a file or directory vanished); restore it or give another path"
     return f"I/O on path {path} failed: {text.splitlines()[0] if text else type(error).__name__}"
+
+
+class TokenBucket:
+    """Paces one path as a single pipe of capped bandwidth shared by its reads and writes.
+
+    A transfer of ``n`` bytes occupies the pipe for ``n / rate`` seconds after the previous one;
+    the caller sleeps until its slot ends. Reads and writes share the pipe, like a real device.
+    """
+
+    def __init__(self, max_read: float | None, max_write: float | None):
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+        self.set_caps(max_read, max_write)
+
+    def set_caps(self, max_read: float | None, max_write: float | None) -> None:
+        """Changes the caps (bytes/s, None for none); takes effect on the next transfer."""
+        with self._lock:
+            self.caps = {"read": max_read, "write": max_write}
+
+    def pace(self, kind: str, nbytes: int, started: float) -> None:
+        """Sleeps until a transfer of ``nbytes`` that started at ``started`` may end."""
+        with self._lock:
+            rate = self.caps[kind]
+            if rate is None:
+                return
+            end = max(started, self._free_at) + nbytes / rate
+            self._free_at = end
+        delay = end - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class NodeLock:
+    """An exclusive lock on one path shared by the processes of a node (``fcntl.flock`` on a file).
+
+    Threads of one process share the hold: the first to enter takes the file lock, the last to
+    leave releases it. A process that dies releases it with its file descriptors.
+    """
+
+    def __init__(self, lock_file: str):
+        self.lock_file = lock_file
+        self._condition = threading.Condition()
+        self._holders = 0
+        self._fd: int | None = None
+
+    def __enter__(self) -> NodeLock:
+        with self._condition:
+            if self._holders == 0:
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._fd = fd
+            self._holders += 1
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        with self._condition:
+            self._holders -= 1
+            if self._holders == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+                self._fd = None
+
+
+class Usage(NamedTuple):
+    """What one path moved since the last look, and for how long it was busy doing it."""
+
+    bytes_read: int
+    bytes_written: int
+    busy_seconds: float
+
+
+class Traffic:
+    """Everything between a path's callers and its device: in-flight limit, node lock, caps, meter.
+
+    Args:
+      max_inflight: transfers in flight at once on this path, in this process.
+      lock_file: a node-local lock file shared by the processes that use this path, or None.
+      max_read: read cap in bytes/s, or None.
+      max_write: write cap in bytes/s, or None.
+    """
+
+    def __init__(self, max_inflight: int = 4, lock_file: str | None = None, max_read=None, max_write=None):
+        self._inflight = threading.BoundedSemaphore(max_inflight)
+        self._node_lock = NodeLock(lock_file) if lock_file else contextlib.nullcontext()
+        self.bucket = TokenBucket(max_read, max_write)
+        self._lock = threading.Lock()
+        self._active = 0
+        self._busy_since = 0.0
+        self._usage = Usage(0, 0, 0.0)
+        self.intervals: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=4096)
+
+    @contextlib.contextmanager
+    def transfer(self, kind: str, nbytes: int) -> Iterator[None]:
+        """Holds the path for one whole-record transfer of ``nbytes`` (``kind`` is read or write)."""
+        with self._inflight, self._node_lock:
+            started = time.monotonic()
+            with self._lock:
+                if self._active == 0:
+                    self._busy_since = started
+                self._active += 1
+            try:
+                yield
+                self.bucket.pace(kind, nbytes, started)
+            finally:
+                ended = time.monotonic()
+                with self._lock:
+                    self._active -= 1
+                    read, written, busy = self._usage
+                    if kind == "read":
+                        read += nbytes
+                    else:
+                        written += nbytes
+                    if self._active == 0:
+                        busy += ended - self._busy_since
+                    self._usage = Usage(read, written, busy)
+                self.intervals.append((kind, started, ended))
+
+    def take_usage(self) -> Usage:
+        """The usage since the previous call (transfers still running count in the next)."""
+        with self._lock:
+            usage, self._usage = self._usage, Usage(0, 0, 0.0)
+            if self._active:
+                now = time.monotonic()
+                usage = usage._replace(busy_seconds=usage.busy_seconds + now - self._busy_since)
+                self._busy_since = now
+            return usage
 
 
 class PathStore:
@@ -205,12 +362,14 @@ class PathStore:
     GIL while it works.
     """
 
-    def __init__(self, root: str, process_index: int = 0):
+    def __init__(self, root: str, process_index: int = 0, traffic: Traffic | None = None):
         self.root = root
         self.directory = os.path.join(root, f"proc{process_index:04d}")
+        self.traffic = traffic or Traffic()
         self._context = ts.Context({"file_io_sync": False})
         self._arrays: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
+        self._has_run_file = False  # once it has, losing it means the directory vanished
         self._ensure_writable()
 
     def _ensure_writable(self) -> None:
@@ -233,7 +392,13 @@ class PathStore:
         return {"driver": "file", "path": os.path.join(self.directory, name)}
 
     def _spec(self, name: str, nbytes: int | None) -> dict:
-        spec: dict[str, Any] = {"driver": "zarr3", "kvstore": self._record_kvstore(name)}
+        # Every chunk is stored, zeros too, so a missing chunk is damage: reading it fails, never gives zeros.
+        spec: dict[str, Any] = {
+            "driver": "zarr3",
+            "kvstore": self._record_kvstore(name),
+            "store_data_equal_to_fill_value": True,
+            "fill_missing_data_reads": False,
+        }
         if nbytes is not None:
             spec["metadata"] = {
                 "shape": [nbytes],
@@ -251,7 +416,13 @@ class PathStore:
         if array is not None and (nbytes is None or array.shape[0] == nbytes):
             return array
         spec = self._spec(record_name(subgroup, slot), nbytes)
-        array = ts.open(spec, create=create, open=True, context=self._context).result()
+        try:
+            array = ts.open(spec, create=create, open=True, context=self._context).result()
+        except ValueError:
+            if not create:
+                raise
+            # The slot holds a damaged or foreign array: it is about to be rewritten whole anyway.
+            array = ts.open(spec, create=True, delete_existing=True, context=self._context).result()
         with self._lock:
             self._arrays[key] = array
         return array
@@ -260,8 +431,11 @@ class PathStore:
         """Writes a whole sealed record to its slot; raises PathError naming this path."""
         name = os.path.join(self.directory, record_name(subgroup, slot))
         try:
+            if self._is_gone():  # tensorstore would silently recreate the directories
+                raise FileNotFoundError(errno.ENOENT, "the directory vanished", self.directory)
             array = self._array(subgroup, slot, record.nbytes, create=True)
-            array.write(record).result()
+            with self.traffic.transfer("write", record.nbytes):
+                array.write(record).result()
         except Exception as error:  # tensorstore raises ValueError and OSError-like errors
             raise PathError(f"writing record {name}: {_describe_os_error(self.root, error)}") from error
 
@@ -270,11 +444,15 @@ class PathStore:
         name = os.path.join(self.directory, record_name(subgroup, slot))
         try:
             array = self._array(subgroup, slot, None, create=False)
-            return array.read().result()
+            with self.traffic.transfer("read", array.shape[0]):
+                return array.read().result()
         except Exception as error:
             if self._is_gone():
                 raise PathError(f"reading record {name}: {_describe_os_error(self.root, error)}") from error
-            raise RecordError(f"record {name} is missing or unreadable ({str(error).splitlines()[0]})") from error
+            raise RecordError(
+                f"record {name} is missing or unreadable ({str(error).splitlines()[0]}); restore the last "
+                "checkpoint, or resume from the tiers at the last complete step"
+            ) from error
 
     def verified_step(self, subgroup: int, slot: int, layout_hash: bytes) -> int | None:
         """The step of the record in ``slot`` if it exists and passes every check, else None."""
@@ -292,15 +470,30 @@ class PathStore:
     def _has_record(self, name: str) -> bool:
         return os.path.exists(os.path.join(name, "zarr.json"))
 
+    def delete(self, subgroup: int) -> None:
+        """Removes both slots of ``subgroup`` from this path (after it moved to another one)."""
+        for slot in (0, 1):
+            with self._lock:
+                self._arrays.pop((subgroup, slot), None)
+            self._delete_record(record_name(subgroup, slot))
+
+    def _delete_record(self, name: str) -> None:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
     def _is_gone(self) -> bool:
-        return not os.path.isdir(self.directory)
+        """Whether the directory vanished: it is missing, or it lost the run file it held."""
+        if not os.path.isdir(self.directory):
+            return True
+        return self._has_run_file and not os.path.exists(os.path.join(self.directory, RUN_FILE))
 
     def read_run_file(self) -> dict | None:
         try:
             with open(os.path.join(self.directory, RUN_FILE)) as f:
-                return json.load(f)
+                content = json.load(f)
         except FileNotFoundError:
             return None
+        self._has_run_file = True
+        return content
 
     def write_run_file(self, content: dict) -> None:
         """Writes the run's identity atomically (write, fsync, rename)."""
@@ -314,6 +507,7 @@ class PathStore:
             os.replace(temporary, final)
         except OSError as error:
             raise PathError(f"writing {final}: {_describe_os_error(self.root, error)}") from error
+        self._has_run_file = True
 
     def remove(self) -> None:
         """Deletes this process's directory on the path, and the path itself if then empty."""
@@ -329,7 +523,8 @@ class KvStorePath(PathStore):
     is opened in one tensorstore context, so a ``memory`` store lives as long as this object.
     """
 
-    def __init__(self, spec: dict, process_index: int = 0):
+    def __init__(self, spec: dict, process_index: int = 0, traffic: Traffic | None = None):
+        self.traffic = traffic or Traffic()
         self._base = dict(spec)
         prefix = self._base.get("path", "")
         if prefix and not prefix.endswith("/"):
@@ -359,6 +554,9 @@ class KvStorePath(PathStore):
     def _has_record(self, name: str) -> bool:
         return True  # a missing record fails its read, which verified_step treats as absent
 
+    def _delete_record(self, name: str) -> None:
+        self._kvstore.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()
+
     def _is_gone(self) -> bool:
         return False  # a kvstore has no directory to vanish; a failed read is a missing record
 
@@ -376,9 +574,79 @@ class KvStorePath(PathStore):
         self._kvstore.delete_range(ts.KvStore.KeyRange()).result()
 
 
-def open_path(path: str | dict, process_index: int = 0) -> PathStore:
-    """The store for one configured path: a local directory, or a tensorstore kvstore spec."""
-    return KvStorePath(path, process_index) if isinstance(path, dict) else PathStore(path, process_index)
+def open_path(path: Path, process_index: int = 0, *, max_inflight: int = 4, node_lock: str | None = None) -> PathStore:
+    """The store for one configured path, a local directory or a tensorstore kvstore spec.
+
+    Args:
+      path: the path, with its caps.
+      process_index: this process's index (its records go to ``proc{index}``).
+      max_inflight: transfers in flight at once on the path.
+      node_lock: a node-local directory for cross-process path locks, or None for no lock.
+
+    Returns:
+      The store, with its traffic control in place.
+    """
+    lock_file = None
+    if node_lock is not None:
+        os.makedirs(node_lock, exist_ok=True)
+        digest = hashlib.sha256(path.identity.encode()).hexdigest()[:24]
+        lock_file = os.path.join(node_lock, f"{digest}.lock")
+    traffic = Traffic(max_inflight, lock_file, path.max_read, path.max_write)
+    if isinstance(path.location, dict):
+        return KvStorePath(path.location, process_index, traffic)
+    return PathStore(path.location, process_index, traffic)
+
+
+class Pin:
+    """A step held for a reader beside training (a checkpoint save): its records stay until read.
+
+    A write that would overwrite a pinned record not yet read, or a move that would delete it,
+    waits for the reader; everything else goes on.
+
+    Args:
+      step: the pinned step, complete on storage.
+      locations: the index of the path holding each subgroup's record of ``step``.
+      timeout: seconds a write may wait for the reader before it fails.
+    """
+
+    def __init__(self, step: int, locations: dict[int, int], timeout: float):
+        self.step = step
+        self.locations = dict(locations)
+        self.timeout = timeout
+        self._unread = set(self.locations)
+        self._condition = threading.Condition()
+
+    @property
+    def released(self) -> bool:
+        with self._condition:
+            return not self._unread
+
+    def blocks(self, subgroup: int, path: int, slot: int | None = None) -> bool:
+        """Whether ``subgroup``'s pinned record is unread and on ``path`` (in ``slot``, if given)."""
+        with self._condition:
+            unread = subgroup in self._unread and self.locations[subgroup] == path
+            return unread and slot in (None, self.step % 2)
+
+    def mark_read(self, subgroup: int) -> None:
+        with self._condition:
+            self._unread.discard(subgroup)
+            self._condition.notify_all()
+
+    def release(self) -> None:
+        """Unpins every record (the reader is done or gave up)."""
+        with self._condition:
+            self._unread.clear()
+            self._condition.notify_all()
+
+    def wait(self, subgroup: int) -> None:
+        """Waits until ``subgroup``'s pinned record has been read, at most ``timeout`` seconds."""
+        with self._condition:
+            if not self._condition.wait_for(lambda: subgroup not in self._unread, self.timeout):
+                raise OffloadError(
+                    f"a reader of step {self.step} (a checkpoint save) has not read subgroup {subgroup} within "
+                    f"{self.timeout:g}s, and the next record would overwrite it; wait for the save to finish "
+                    "(CheckpointManager.wait_until_finished) before updating again, or raise io_timeout"
+                )
 
 
 class TierStack:
@@ -403,6 +671,30 @@ class TierStack:
         self.placement = placement
         self.counters = counters
         self.locations: dict[int, int] = {}
+        self.moved: list[tuple[int, int]] = []
+        self.pins: list[Pin] = []
+
+    def pin(self, step: int, timeout: float) -> Pin:
+        """Pins ``step`` for a reader beside training; call it only when ``step`` is complete on storage."""
+        pin = Pin(step, self.locations, timeout)
+        self.pins = [p for p in self.pins if not p.released] + [pin]
+        return pin
+
+    def read_pinned(self, pin: Pin, subgroup: int) -> np.ndarray:
+        """The payload of ``subgroup`` at the pinned step, verified, then unpinned; not counted in the stats.
+
+        It comes from the cache while the cache still holds that step, else from storage.
+        """
+        entry = self.cache.peek(subgroup)
+        if entry is not None and entry.step == pin.step:
+            record, name = entry.record, f"cached record of subgroup {subgroup}"
+        else:
+            path = self.paths[pin.locations[subgroup]]
+            record = path.read(subgroup, pin.step % 2)
+            name = os.path.join(path.directory, record_name(subgroup, pin.step % 2))
+        payload = verify(record, name=name, step=pin.step, layout_hash=self.layout_hash)
+        pin.mark_read(subgroup)
+        return payload
 
     def fetch(self, subgroup: int, step: int) -> np.ndarray:
         """The payload of ``subgroup`` at ``step``, from the cache or its path (verified)."""
@@ -411,17 +703,39 @@ class TierStack:
             self.counters.hit()
             return payload_of(entry.record)
         path = self.paths[self.locations.get(subgroup, self.placement(subgroup))]
+        started = time.perf_counter()
         record = path.read(subgroup, step % 2)
-        self.counters.read(path.root, record.nbytes)
+        self.counters.read(path.root, record.nbytes, subgroup=subgroup, started=started)
         name = os.path.join(path.directory, record_name(subgroup, step % 2))
         return verify(record, name=name, step=step, layout_hash=self.layout_hash)
 
     def write(self, subgroup: int, record: np.ndarray, step: int) -> None:
         """Writes a sealed record of ``step`` to the path the placement picks."""
         index = self.placement(subgroup)
+        for pin in self.pins:
+            if pin.blocks(subgroup, index, step % 2):
+                pin.wait(subgroup)
+        started = time.perf_counter()
         self.paths[index].write(subgroup, step % 2, record)
-        self.counters.wrote(self.paths[index].root, record.nbytes)
+        self.counters.wrote(self.paths[index].root, record.nbytes, subgroup=subgroup, started=started)
+        previous = self.locations.get(subgroup)
         self.locations[subgroup] = index
+        if previous is not None and previous != index:
+            self.moved.append((subgroup, previous))
+
+    def drop_moved(self) -> None:
+        """Removes the records that moved subgroups left on their old paths.
+
+        Call it only when the newest step is complete on storage: until then the old path's
+        record is the previous complete step. A record still pinned for a reader is kept for a
+        later call.
+        """
+        moved, self.moved = self.moved, []
+        for subgroup, old in moved:
+            if any(pin.blocks(subgroup, old) for pin in self.pins):
+                self.moved.append((subgroup, old))
+            elif self.locations.get(subgroup) != old:
+                self.paths[old].delete(subgroup)
 
     def store(self, subgroup: int, record: np.ndarray, step: int) -> None:
         """Keeps a sealed record in the cache when it fits (writing back what that evicts), else writes it."""

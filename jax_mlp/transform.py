@@ -7,11 +7,15 @@ subgroup: fetch, ``device_put``, the jitted inner update on the subgroup's view,
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -20,12 +24,25 @@ import numpy as np
 import optax
 
 from jax_mlp import partition
-from jax_mlp.config import OffloadConfig
+from jax_mlp.config import OffloadConfig, Path, parse_rate
 from jax_mlp.engine import Engine, Timings
+from jax_mlp.model import PathSpeed
 from jax_mlp.partition import Plan, Subgroup
+from jax_mlp.probe import probe
 from jax_mlp.scheduler import Scheduler
-from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread
-from jax_mlp.tiers import HostCache, OffloadError, RecordError, TierStack, new_record, open_path, payload_of, seal
+from jax_mlp.stats import IOCounters, StatsLog, UpdateStats, compiles_on_this_thread, fan_out
+from jax_mlp.tiers import (
+    HEADER_SIZE,
+    HostCache,
+    OffloadError,
+    Pin,
+    RecordError,
+    TierStack,
+    new_record,
+    open_path,
+    payload_of,
+    seal,
+)
 
 _RUN_FORMAT = 1
 logger = logging.getLogger(__name__)
@@ -61,6 +78,24 @@ def _check_supported(params: Any) -> None:
                 f"param {jax.tree_util.keystr(path)} spans {len(leaf.devices())} devices; this version of "
                 "mlp_offload handles params on a single device: put them on one device"
             )
+
+
+_DEFAULT_BANDWIDTH = 1e9
+_INIT_PROBE_BYTES = 64 * 1024**2
+
+
+def _starting_speed(path: Path, run_probe: bool) -> PathSpeed:
+    """A path's bandwidths before any update: declared, else probed (if asked), else its caps.
+
+    With none of these, every path starts equal; measurement while running corrects it.
+    """
+    read, write = path.read_bandwidth, path.write_bandwidth
+    if (read is None or write is None) and run_probe:
+        measured = probe(path, total_bytes=_INIT_PROBE_BYTES)
+        read, write = read or measured.read_bandwidth, write or measured.write_bandwidth
+    read = read or path.max_read or write or path.max_write or _DEFAULT_BANDWIDTH
+    write = write or path.max_write or read
+    return PathSpeed(path.name, read, write)
 
 
 def _is_tracer(tree: Any) -> bool:
@@ -104,6 +139,43 @@ class _SubgroupSpec(NamedTuple):
 
     def view(self, values: Sequence[Any]) -> Any:
         return partition.view_of(self.treedef, self.num_leaves, self.pieces, values)
+
+
+class _Executables:
+    """Compiled subgroup programs, shared by every subgroup whose lowered program is the same.
+
+    The views of identical blocks lower to the same program (the positions of their ``None``
+    leaves leave no trace in it), so a model of 24 identical blocks compiles once, not 24 times.
+    Lowering is cheap; XLA compilation is what this saves. Both maps are bounded LRUs.
+    """
+
+    def __init__(self, capacity: int = 1024):
+        self._capacity = capacity
+        self._by_signature: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._by_program: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def _remember(self, table: collections.OrderedDict, key: Any, value: Any) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        if len(table) > self._capacity:
+            table.popitem(last=False)
+
+    def __call__(self, function: Any, spec: _SubgroupSpec, *args: Any) -> Any:
+        """Runs ``function(spec, *args)`` through a shared executable."""
+        leaves, structure = jax.tree_util.tree_flatten(args)
+        signature = (spec, structure, tuple((x.shape, x.dtype) for x in leaves))
+        executable = self._by_signature.get(signature)
+        if executable is None:
+            lowered = function.lower(spec, *args)
+            # The text leaves out arguments the program never reads, so the shapes join the key.
+            program = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), signature[1:])
+            executable = self._by_program.get(program) or lowered.compile()
+            self._remember(self._by_program, program, executable)
+            self._remember(self._by_signature, signature, executable)
+        return executable(*args)
+
+
+_EXECUTABLES = _Executables()
 
 
 def _slice_rows(leaf: jax.Array, start: jax.Array, piece: partition.Piece) -> jax.Array:
@@ -193,6 +265,7 @@ class Offloader:
         self.step = 0
         self.last_stats: UpdateStats | None = None
         self._specs: dict[int, _SubgroupSpec] = {}
+        self._prefetched: dict[int, Future] = {}
         self._total_compiles = 0
         self._tiers: TierStack | None = None
         self._engine: Engine | None = None
@@ -213,7 +286,11 @@ class Offloader:
 
     def _open_tiers(self) -> None:
         """Opens the paths and checks what they hold against ``resume``; writes nothing yet."""
-        paths = [open_path(p, jax.process_index()) for p in self.config.paths]
+        config = self.config
+        paths = [
+            open_path(p, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock)
+            for p in config.paths
+        ]
         expected = self._run_identity()["layout_hash"]
         found = {path.root: path.read_run_file() for path in paths}
         for root, identity in found.items():
@@ -233,7 +310,13 @@ class Offloader:
                 f"resume=True, but no path in {list(found)} holds offloaded optimizer state; check the paths, "
                 "or start a new run without resume"
             )
-        self._scheduler = Scheduler(len(self.plan.subgroups), len(paths))
+        self._scheduler = Scheduler(
+            [HEADER_SIZE + sg.layout.nbytes for sg in self.plan.subgroups],
+            [_starting_speed(p, config.probe) for p in config.paths],
+            order=config.order,
+            placement=config.placement,
+            rebalance=config.rebalance,
+        )
         self._counters = IOCounters([p.root for p in paths])
         self._tiers = TierStack(
             HostCache(self.config.host_cache), paths, self.plan.layout_hash, self._scheduler.path_of, self._counters
@@ -247,6 +330,29 @@ class Offloader:
         marked as holding this run (``run.json``) only once that has succeeded, so a failed ``init``
         can simply be retried.
         """
+        if self.resume:
+            return self._initialise(params, self._find_last_complete_step)
+        return self._initialise(params, functools.partial(self._write_initial_state, params))
+
+    def init_from(self, params: Any, step: int, loader: Callable[[Plan], Callable[[int], tuple]]) -> OffloadState:
+        """Like :meth:`init`, but the tiers start at ``step`` with a given state (a checkpoint restore).
+
+        Args:
+          params: the params, or their ``jax.ShapeDtypeStruct``s: only shapes and dtypes are used.
+          step: the step the restored state is at.
+          loader: called with the plan; returns a function that maps a subgroup index to its state
+            leaves and master leaves (numpy arrays shaped as in its record layout). That function is
+            called once per subgroup, on reader threads.
+
+        Returns:
+          The :class:`OffloadState` at ``step``.
+        """
+        if self.resume:
+            raise OffloadError("init_from writes a fresh state: create the mlp_offload without resume=True")
+        return self._initialise(params, lambda: self._write_restored_state(step, loader(self.plan)))
+
+    def _initialise(self, params: Any, populate: Callable[[], int]) -> OffloadState:
+        """Plans, opens the tiers, fills them with ``populate`` (which returns their step), marks the paths."""
         if _is_tracer(params):
             raise OffloadError(
                 "mlp_offload(...).init was called inside a jax transformation (jit, eval_shape, ...); call init "
@@ -260,10 +366,7 @@ class Offloader:
         self.plan = partition.make_plan(params, self.inner, self.config.subgroup_size, self.config.master_dtype)
         try:
             self._open_tiers()
-            if self.resume:
-                self.step = self._find_last_complete_step()
-            else:
-                self._write_initial_state(params)
+            self.step = populate()
             for path in self._tiers.paths:
                 path.write_run_file(self._run_identity())
         except BaseException:
@@ -273,7 +376,7 @@ class Offloader:
             raise
         return OffloadState(jnp.asarray(self.step, jnp.int32))
 
-    def _write_initial_state(self, params: Any) -> None:
+    def _write_initial_state(self, params: Any) -> int:
         plan = self.plan
         param_leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
         device = _placement(param_leaves)
@@ -281,7 +384,7 @@ class Offloader:
         def compute(index: int, _: None) -> tuple:
             subgroup = plan.subgroups[index]
             leaves = [param_leaves[p.leaf] for p in subgroup.pieces]
-            return _subgroup_init(self._spec(subgroup), leaves, self._starts(subgroup, device))
+            return _EXECUTABLES(_subgroup_init, self._spec(subgroup), leaves, self._starts(subgroup, device))
 
         compiles = compiles_on_this_thread()
         # Written in the order of "step -1", so the cache keeps what step 0 updates first.
@@ -289,6 +392,16 @@ class Offloader:
         timings = self._engine.run(order, lambda _: None, compute, lambda k, out: self._store(k, out, step=0))
         self._finish(0, timings, compiles)
         self._engine.wait_background()
+        return 0
+
+    def _write_restored_state(self, step: int, load: Callable[[int], tuple]) -> int:
+        compiles = compiles_on_this_thread()
+        self.step = step  # the cache and idle-time prefetch started by _finish work at this step
+        order = self._scheduler.order(step - 1)
+        timings = self._engine.run(order, load, lambda _, loaded: loaded, lambda k, out: self._store(k, out, step))
+        self._finish(step, timings, compiles)
+        self._engine.wait_background()
+        return step
 
     def _find_last_complete_step(self) -> int:
         """The highest step at which every subgroup has a verified record on some path."""
@@ -327,6 +440,47 @@ class Offloader:
             return
         self._write_back_dirty()
         self._engine.wait_background()
+        self._tiers.drop_moved()
+
+    def pin(self) -> Pin:
+        """Flushes, then pins the current step so it can be read beside training (a checkpoint save).
+
+        A pinned record stays until :meth:`read_pinned` has read it or the pin is released: only a
+        write or move that would overwrite or delete such a record waits (at most ``io_timeout``).
+
+        Returns:
+          The :class:`~jax_mlp.tiers.Pin`; call its ``release()`` when done, also on failure.
+        """
+        if self.plan is None:
+            raise OffloadError("this mlp_offload has not been initialised: call init (or restore a checkpoint) first")
+        self.flush()
+        return self._tiers.pin(self.step, self.config.io_timeout)
+
+    def read_pinned(self, pin: Pin, index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Subgroup ``index``'s state leaves and master leaves at the pinned step, verified, then unpinned.
+
+        The arrays are views of a record that nothing writes to again. Safe to call from any thread.
+        """
+        return partition.unpack(self.plan.subgroups[index].layout, self._tiers.read_pinned(pin, index))
+
+    def set_caps(self, path: int | str, *, max_read: float | str | None = None, max_write: float | str | None = None):
+        """Changes a path's bandwidth caps while training runs (e.g. to keep a shared PFS polite).
+
+        Args:
+          path: the path's index in ``paths``, or its name.
+          max_read: the new read cap, e.g. ``"100MB/s"``; None removes it.
+          max_write: the new write cap; None removes it.
+        """
+        stores = self._tiers.paths
+        index = path if isinstance(path, int) else [s.root for s in stores].index(path)
+        stores[index].traffic.bucket.set_caps(
+            parse_rate(max_read, name="max_read"), parse_rate(max_write, name="max_write")
+        )
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The live placement and order policy (``placement``, ``speeds``, ``moves``)."""
+        return self._scheduler
 
     def close(self, *, delete: bool = False) -> None:
         """Flushes, stops the threads and, only if ``delete``, removes the files on every path."""
@@ -338,6 +492,7 @@ class Offloader:
         finally:
             self._closed = True
             if self._engine is not None:
+                self._engine.settle(self._prefetched.values())
                 self._engine.close()
             if self._tiers is not None:
                 self._tiers.cache.clear()
@@ -380,6 +535,8 @@ class Offloader:
         counters = self._counters
         compiles = compiles_on_this_thread() - compiles_before
         self._total_compiles += compiles
+        started = time.perf_counter() - timings.total - extra_wait
+        stored = collections.Counter(self._tiers.locations.values())
         self.last_stats = UpdateStats(
             step=step,
             seconds=timings.total + extra_wait,
@@ -392,14 +549,28 @@ class Offloader:
             cache_misses=counters.cache_misses,
             compiles=compiles,
             total_compiles=self._total_compiles,
+            events=counters.events_since(started),
+            placement={path.root: stored[i] for i, path in enumerate(self._tiers.paths)},
         )
-        counters.reset()  # idle-time write-backs started below count towards the next update
-        self._write_back_dirty()
+        counters.reset()  # idle-time I/O started below counts towards the next update
+        self._scheduler.observe([path.traffic.take_usage() for path in self._tiers.paths])
+        if self.config.flush == "idle":
+            self._write_back_dirty()
+        if self.config.idle_prefetch:
+            self._prefetch_next()
         if self.on_stats is not None:
             try:
                 self.on_stats(self.last_stats)
             except Exception:  # a logging failure must not desynchronise the step from the tiers
                 logger.exception("the on_stats callback of mlp_offload raised; training goes on")
+
+    def _prefetch_next(self) -> None:
+        """Starts reading the next update's first uncached records while forward and backward run."""
+        for index in self._scheduler.order(self.step):
+            if len(self._prefetched) >= self.config.prefetch_depth:
+                return
+            if not self._tiers.cache.holds(index, self.step):
+                self._prefetched[index] = self._engine.read_ahead(self._tiers.fetch, index, self.step)
 
     def _write_back_dirty(self) -> None:
         """Queues every dirty cached record for writing on the writer threads (idle-time I/O)."""
@@ -481,13 +652,22 @@ class Offloader:
 
         compiles = compiles_on_this_thread()
         background_wait = self._engine.wait_background()
+        if self.config.flush == "idle":
+            self._tiers.drop_moved()
+        prefetched, self._prefetched = self._prefetched, {}
 
         def fetch(index: int) -> list:
             subgroup = plan.subgroups[index]
-            state_leaves, master_leaves = partition.unpack(subgroup.layout, self._tiers.fetch(index, step))
+            early = prefetched.pop(index, None)
+            if early is not None:
+                payload = self._engine.result(early, f"reading subgroup {index} ahead")
+            else:
+                payload = self._tiers.fetch(index, step)
+            state_leaves, master_leaves = partition.unpack(subgroup.layout, payload)
             return jax.device_put((state_leaves, master_leaves), device)
 
         def compute(index: int, fetched: list) -> tuple:
+            started = time.perf_counter()
             subgroup = plan.subgroups[index]
             state_leaves, master_leaves = fetched
             for p in subgroup.pieces:
@@ -501,12 +681,13 @@ class Offloader:
                 master_leaves,
                 [accumulators.get(p.leaf) if p.rows is not None else None for p in subgroup.pieces],
             )
-            outputs, new_state, new_master = _subgroup_update(self._spec(subgroup), *args)
+            outputs, new_state, new_master = _EXECUTABLES(_subgroup_update, self._spec(subgroup), *args)
             for p, out in zip(subgroup.pieces, outputs, strict=True):
                 (accumulators if p.rows is not None else results)[p.leaf] = out
+            self._counters.event("compute", None, index, started)
             return new_state, new_master
 
-        locations = dict(self._tiers.locations)
+        locations, moved = dict(self._tiers.locations), list(self._tiers.moved)
         try:
             timings = self._engine.run(
                 self._scheduler.order(step), fetch, compute, lambda k, out: self._store(k, out, step + 1)
@@ -514,7 +695,8 @@ class Offloader:
         except BaseException:
             # Step ``step`` is intact in the other slot: forget every trace of the unfinished one.
             self._tiers.cache.discard_unless_step(step)
-            self._tiers.locations = locations
+            self._tiers.locations, self._tiers.moved = locations, moved
+            self._engine.settle(prefetched.values())
             raise
         results.update(accumulators)
         self.step = step + 1
@@ -556,7 +738,7 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs):
 def mlp_offload(
     inner: optax.GradientTransformation,
     *,
-    paths: Sequence[str | os.PathLike | dict] | str | os.PathLike,
+    paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | Path,
     host_cache: int | str = 0,
     subgroup_size: int | str = "64MiB",
     prefetch_depth: int = 2,
@@ -564,7 +746,16 @@ def mlp_offload(
     master_dtype: Any = None,
     resume: bool = False,
     io_timeout: float = 600.0,
+    order: str = "alternate",
+    flush: str = "idle",
+    placement: str = "bandwidth",
+    rebalance: bool = True,
+    idle_prefetch: bool = True,
+    probe: bool = False,
+    max_inflight: int = 4,
+    node_lock: bool | str | os.PathLike = False,
     on_stats: Callable[[UpdateStats], None] | None = None,
+    log_to: str | os.PathLike | None = None,
 ) -> OffloadTransformation:
     """Wraps an element-wise optax optimizer so its state lives in host RAM and on disk, not on device.
 
@@ -575,7 +766,8 @@ def mlp_offload(
       inner: the optimizer whose state is offloaded, e.g. ``optax.adamw(1e-3)``. It must act leaf by
         leaf (adam, adamw, lion, sgd, rmsprop, ...); adafactor is exact on leaves that are not split.
       paths: one or more directories (node-local NVMe, a parallel file system) for the state records;
-        a path may also be a tensorstore kvstore spec dict, e.g. ``{"driver": "gcs", "bucket": ..., "path": ...}``.
+        a path may also be a tensorstore kvstore spec dict, e.g. ``{"driver": "gcs", "bucket": ..., "path": ...}``,
+        or a :class:`Path` with bandwidth caps or declared bandwidths.
       host_cache: host RAM for records kept between updates, e.g. ``"8GiB"``; 0 disables the cache.
       subgroup_size: bytes of state (plus master params) streamed at once, e.g. ``"256MiB"``.
       prefetch_depth: subgroups read ahead of the one being updated.
@@ -584,8 +776,21 @@ def mlp_offload(
         in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly ``master.astype(params.dtype)``.
       resume: reopen the tiers at their last complete step instead of writing a fresh initial state.
       io_timeout: seconds a single record read or write may take before the update fails.
+      order: ``"alternate"`` (cache-friendly: ascending, then descending) or ``"ascending"``.
+      flush: ``"idle"`` writes dirty cached records back between updates, so the paths always hold a
+        complete step; ``"lazy"`` writes them only at eviction, ``flush()``, checkpoint or close.
+      placement: ``"bandwidth"`` splits subgroups over paths by bandwidth; ``"round_robin"`` equally.
+      rebalance: move subgroups to faster paths when measured throughputs drift apart.
+      idle_prefetch: read the next update's first uncached records between updates.
+      probe: measure each path's bandwidth at ``init`` (64 MiB each); declared bandwidths win.
+      max_inflight: record transfers in flight at once per path, in this process.
+      node_lock: ``True`` (or a node-local directory) to let only one process of a node use a given
+        path at a time.
       on_stats: called with the :class:`UpdateStats` of each update and of a fresh (not resumed) init,
         e.g. to log them; an exception it raises is logged, never raised.
+      log_to: a file to which one JSON line is written per ``init`` and ``update`` (timings, bytes
+        and busy time per path, cache hits, placement, and the timed reads, computes and writes);
+        emptied first unless ``resume``. ``jax-mlp report`` plots it.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init`` returns an :class:`OffloadState` and
@@ -599,6 +804,16 @@ def mlp_offload(
         write_depth=write_depth,
         master_dtype=master_dtype,
         io_timeout=io_timeout,
+        order=order,
+        flush=flush,
+        placement=placement,
+        rebalance=rebalance,
+        idle_prefetch=idle_prefetch,
+        probe=probe,
+        max_inflight=max_inflight,
+        node_lock=node_lock,
     )
+    if log_to is not None:
+        on_stats = fan_out(StatsLog(log_to, append=resume), on_stats)
     offloader = Offloader(inner, config, resume=resume, on_stats=on_stats)
     return OffloadTransformation(offloader.init, offloader.update)

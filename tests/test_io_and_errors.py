@@ -173,7 +173,7 @@ def test_a_failed_write_loses_nothing_and_the_update_can_be_retried(paths, monke
 
 
 def test_stats_are_easy_to_log(paths):
-    params = make_params()
+    params = dict(make_params(), odd=jnp.ones((7, 13)))  # a shape no other test compiles
     logged = []
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, on_stats=logged.append)
     state = tx.init(params)
@@ -247,7 +247,7 @@ def test_a_failing_stats_callback_does_not_lose_the_step(paths, caplog):
 
 
 def test_updates_keep_the_params_commitment_so_steady_steps_compile_nothing(paths):
-    params = make_params()
+    params = dict(make_params(), odd=jnp.ones((5, 11)))  # a shape no other test compiles
     assert not jax.tree.leaves(params)[0].committed
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="64KiB")
     state = tx.init(params)
@@ -271,3 +271,17 @@ def test_a_path_can_be_any_tensorstore_kvstore(paths):
     assert_same_bits(got, expected)
     with pytest.raises(ValueError, match="needs a 'driver'"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[{"path": "x"}])
+
+
+def test_identical_blocks_share_one_compilation(paths):
+    """24 identical blocks, 3 per subgroup: every subgroup lowers to one program, compiled once."""
+    block = {"w": jnp.ones((24, 40)), "b": jnp.zeros((40,)), "scale": jnp.ones((40,))}
+    params = {f"block{i:02d}": jax.tree.map(lambda x, i=i: x * (1 + i), block) for i in range(24)}
+    inner = optax.adamw(1e-3, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    tx = jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=3 * (24 * 40 + 80) * 8)
+    state = tx.init(params)
+    init_compiles = tx.stats.compiles
+    _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert len(tx.offloader.plan.subgroups) == 8
+    assert init_compiles <= 2 and tx.stats.compiles <= 2, (init_compiles, tx.stats.compiles)
+    tx.close()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU checks of jax_mlp in one command, writing gpu.json to $OUT (default: ./results).
+#
+#   bash benchmarks/gpu/run.sh            # on a GPU machine: about 3 minutes on an H200
+#   bash benchmarks/gpu/run.sh --dry-run  # anywhere: tiny sizes on the CPU, checks that it all runs
+#
+# Needs only jax, optax and tensorstore (as on the lent H200); jax_mlp is used from this checkout.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out="${OUT:-results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec timeout 470 "${PYTHON:-python3}" benchmarks/gpu/bench.py --out "$out" "$@"

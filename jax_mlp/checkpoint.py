@@ -1,0 +1,554 @@
+"""Orbax checkpoints of the offloaded state, in the standard optax layout, streamed subgroup by subgroup.
+
+A checkpoint item holds the tree that ``inner.init(params)`` returns, or, with master params,
+``{"opt_state": <that tree>, "master": <params in master_dtype>}``. It is orbax's own PyTree format
+(zarr3 arrays, no OCDBT), so plain optax restores it with ``ocp.args.StandardRestore``. Each array is
+filled region by region while the subgroups stream from the tiers: a row chunk of a split leaf is a
+row range (and a zarr3 chunk) of its array, and leaves every subgroup holds alike (adam's ``count``)
+are written once. Restoring streams the other way, from any orbax PyTree checkpoint (also OCDBT
+ones written by plain optax), into any plan: other paths, subgroup size or host cache.
+
+See docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from jax_mlp import partition
+from jax_mlp.engine import Engine
+from jax_mlp.partition import Plan, Subgroup
+from jax_mlp.tiers import OffloadError, Pin, RecordError
+from jax_mlp.transform import Offloader, OffloadState, OffloadTransformation
+
+if TYPE_CHECKING:
+    from etils import epath
+
+_FORMAT = 1
+_METADATA_KEY = "jax_mlp"
+_MASTER = "master"
+_STATE = "opt_state"
+
+
+def standard_layout(inner: optax.GradientTransformation, params: Any, master_dtype: Any = None) -> Any:
+    """The tree a checkpoint of ``mlp_offload(inner, master_dtype=...)`` holds, as ``jax.ShapeDtypeStruct``s.
+
+    Pass it to ``ocp.args.StandardRestore`` to restore such a checkpoint into plain optax.
+
+    Args:
+      inner: the optimizer wrapped by ``mlp_offload``.
+      params: the params (arrays or ``jax.ShapeDtypeStruct``s).
+      master_dtype: the ``master_dtype`` given to ``mlp_offload``, or None.
+
+    Returns:
+      ``jax.eval_shape(inner.init, params)`` without master params; with them,
+      ``{"opt_state": <the same on params in master_dtype>, "master": <params in master_dtype>}``.
+    """
+    dtype = None if master_dtype is None else np.dtype(master_dtype)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype or x.dtype), params)
+    state = jax.eval_shape(inner.init, shapes)
+    return state if dtype is None else {_STATE: state, _MASTER: shapes}
+
+
+@dataclasses.dataclass
+class OffloadSave(ocp.args.CheckpointArgs):
+    """Saves the state of an ``mlp_offload`` at its current step, in the standard optax layout.
+
+    Attributes:
+      offload: what :func:`~jax_mlp.mlp_offload` returned (or its :class:`~jax_mlp.Offloader`), initialised.
+    """
+
+    offload: OffloadTransformation | Offloader
+
+
+@dataclasses.dataclass
+class OffloadRestore(ocp.args.CheckpointArgs):
+    """Restores a checkpoint in the standard optax layout into a fresh, not yet initialised ``mlp_offload``.
+
+    The checkpoint may come from :class:`OffloadSave` or from plain optax (``ocp.args.StandardSave``
+    of ``inner.init(params)``). The ``mlp_offload`` may use other paths, subgroup size and host cache.
+
+    Attributes:
+      offload: a new :func:`~jax_mlp.mlp_offload` (without ``resume``) on empty paths; restoring
+        initialises it, so do not call its ``init``.
+      params: the params, or their ``jax.ShapeDtypeStruct``s. Values are needed only when the
+        offload keeps master params and the checkpoint has none: the master copy starts from them.
+      step: the step of the restored state; by default the one saved, or 0 for a plain optax checkpoint.
+    """
+
+    offload: OffloadTransformation | Offloader
+    params: Any
+    step: int | None = None
+
+
+class _Region(NamedTuple):
+    """Where one field of a record lives in the standard layout."""
+
+    leaf: int
+    rows: tuple[int, int] | None  # None: the whole leaf
+    shared: bool  # the same in every subgroup (adam's count): saved once, restored into each
+
+
+class _Lookup(NamedTuple):
+    """What mapping a record's fields to the standard layout needs to know."""
+
+    index: dict[str, int]  # leaf position by tree path
+    shapes: tuple[tuple[int, ...], ...]
+    prefix: str  # of inner state paths: "['opt_state']" with master params
+    shared: frozenset[str]  # inner state paths every subgroup holds alike
+    owner: dict[str, int]  # inner state path -> the split param leaf it belongs to
+
+
+class _Layout(NamedTuple):
+    """The standard layout of one plan: its leaves, and where each record field maps into them."""
+
+    treedef: Any
+    leaves: tuple[jax.ShapeDtypeStruct, ...]
+    names: tuple[str, ...]
+    chunk_rows: tuple[int | None, ...]
+    regions: tuple[tuple[_Region, ...], ...]
+
+
+def _offloader_of(offload: OffloadTransformation | Offloader) -> Offloader:
+    if isinstance(offload, OffloadTransformation):
+        return offload.offloader
+    if isinstance(offload, Offloader):
+        return offload
+    raise TypeError(f"expected what jax_mlp.mlp_offload returned, got {type(offload).__name__}")
+
+
+def _paths_of(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _abstract_params(plan: Plan) -> Any:
+    leaves = [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in plan.leaves]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _state_paths(inner: optax.GradientTransformation, plan: Plan, pieces: Sequence[partition.Piece]) -> list[str]:
+    """The tree paths of the inner state of a view holding the whole leaves of ``pieces``."""
+    dtype = plan.master_dtype
+    values = [jax.ShapeDtypeStruct(plan.leaves[p.leaf].shape, dtype or plan.leaves[p.leaf].dtype) for p in pieces]
+    view = partition.view_of(plan.treedef, len(plan.leaves), pieces, values)
+    return _paths_of(jax.eval_shape(inner.init, view))
+
+
+def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[_Region, ...]:
+    """Maps each field of ``subgroup``'s record to its leaf and rows in the standard layout."""
+    owner = lookup.owner
+    rows_of = {p.leaf: p.rows for p in subgroup.pieces}
+    treedef = subgroup.layout.state_treedef
+    state_paths = _paths_of(jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves))
+    regions = []
+    for path, field in zip(state_paths, subgroup.layout.state_fields, strict=True):
+        leaf = lookup.index[lookup.prefix + path]
+        full = lookup.shapes[leaf]
+        rows = rows_of[owner[path]] if path in owner else None
+        expected = full if rows is None else (rows[1] - rows[0], *full[1:])
+        if field.shape != expected:
+            param = plan.leaves[owner[path]]
+            raise OffloadError(
+                f"optimizer state leaf {path} of the split param {param.path} has shape {field.shape} for rows "
+                f"{rows}, not a row range of its shape {full}, so it has no standard layout (adafactor's factored "
+                f"moments do this); checkpoint with a subgroup_size that keeps {param.path} whole"
+            )
+        regions.append(_Region(leaf, rows, path in lookup.shared))
+    if plan.master_dtype is not None:
+        for piece in subgroup.pieces:
+            regions.append(_Region(lookup.index[f"['{_MASTER}']{plan.leaves[piece.leaf].path}"], piece.rows, False))
+    return tuple(regions)
+
+
+def _layout(inner: optax.GradientTransformation, plan: Plan) -> _Layout:
+    """The standard layout of ``plan``, and the region of every record field in it."""
+    tree = standard_layout(inner, _abstract_params(plan), plan.master_dtype)
+    path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = tuple(jax.tree_util.keystr(path) for path, _ in path_leaves)
+    leaves = tuple(leaf for _, leaf in path_leaves)
+    shared = frozenset(_state_paths(inner, plan, []))
+    split = sorted({p.leaf for sg in plan.subgroups for p in sg.pieces if p.rows is not None})
+    owner = {
+        path: leaf
+        for leaf in split
+        for path in _state_paths(inner, plan, [partition.Piece(leaf)])
+        if path not in shared
+    }
+    prefix = "" if plan.master_dtype is None else f"['{_STATE}']"
+    lookup = _Lookup({name: i for i, name in enumerate(names)}, tuple(x.shape for x in leaves), prefix, shared, owner)
+    regions = tuple(_regions(plan, sg, lookup) for sg in plan.subgroups)
+    chunk_rows: list[int | None] = [None] * len(leaves)
+    for region in (r for rs in regions for r in rs if r.rows is not None):
+        chunk_rows[region.leaf] = max(chunk_rows[region.leaf] or 0, region.rows[1] - region.rows[0])
+    return _Layout(jax.tree_util.tree_structure(tree), leaves, names, tuple(chunk_rows), regions)
+
+
+def _region_of(array: Any, region: _Region) -> Any:
+    return array if region.rows is None else array[region.rows[0] : region.rows[1]]
+
+
+class _SaveStream:
+    """One save: streams a pinned step out of the tiers into the arrays of the standard layout."""
+
+    def __init__(self, offloader: Offloader, pin: Pin):
+        self.offloader = offloader
+        self.pin = pin
+        self.layout = _layout(offloader.inner, offloader.plan)
+        self._shared: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def placeholders(self) -> Any:
+        """The standard layout's tree with a :class:`_StreamedLeaf` of this stream at every leaf."""
+        leaves = [_StreamedLeaf(self, i) for i in range(len(self.layout.leaves))]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+    def _open(self, leaf: int, info: ocp.type_handlers.ParamInfo) -> Any:
+        shape, dtype = self.layout.leaves[leaf].shape, np.dtype(self.layout.leaves[leaf].dtype)
+        rows = self.layout.chunk_rows[leaf]
+        chunk = shape if rows is None else (rows, *shape[1:])
+        spec = ocp.type_handlers.get_json_tspec_write(
+            info, use_ocdbt=False, global_shape=shape, local_shape=chunk, dtype=dtype
+        )
+        return ts.open(spec, create=True, open=True, context=info.ts_context).result()
+
+    def _store(self, arrays: list, index: int, fetched: tuple) -> None:
+        state_leaves, master_leaves = fetched
+        writes = []
+        for region, value in zip(self.layout.regions[index], [*state_leaves, *master_leaves], strict=True):
+            if region.shared and not self._claim(region, value):
+                continue
+            writes.append(_region_of(arrays[region.leaf], region).write(value))
+        for write in writes:
+            write.result()
+
+    def _claim(self, region: _Region, value: np.ndarray) -> bool:
+        """Whether this subgroup writes the shared leaf (the first one does); later ones must equal it."""
+        with self._lock:
+            first = self._shared.get(region.leaf)
+            if first is None:
+                self._shared[region.leaf] = np.array(value)
+                return True
+        if first.tobytes() != np.asarray(value).tobytes():
+            raise RecordError(
+                f"state leaf {self.layout.names[region.leaf]} differs between subgroups ({first} and {value}); "
+                "the tiers hold inconsistent steps: resume them, or restore another checkpoint"
+            )
+        return False
+
+    def write(self, leaves: Sequence[_StreamedLeaf], infos: Sequence[ocp.type_handlers.ParamInfo]) -> None:
+        """Streams every subgroup of the pinned step into the arrays, then releases the pin."""
+        offloader, pin = self.offloader, self.pin
+        config = offloader.config
+        engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
+        try:
+            arrays: list[Any] = [None] * len(self.layout.leaves)
+            for leaf, info in zip(leaves, infos, strict=True):
+                arrays[leaf.index] = self._open(leaf.index, info)
+            engine.run(
+                range(len(offloader.plan.subgroups)),
+                lambda k: offloader.read_pinned(pin, k),
+                lambda _, fetched: fetched,
+                lambda k, fetched: self._store(arrays, k, fetched),
+            )
+        finally:
+            engine.close()
+            pin.release()
+
+
+class _StreamedLeaf:
+    """An orbax leaf standing for one array of the standard layout (not a pytree node).
+
+    Saved, it is written by its :class:`_SaveStream`; as a restore type, it restores as an open
+    ``ts.TensorStore`` that is read region by region.
+    """
+
+    def __init__(self, stream: _SaveStream, index: int):
+        self.stream = stream
+        self.index = index
+
+
+class _StreamedLeafHandler(ocp.type_handlers.TypeHandler):
+    """The orbax TypeHandler of :class:`_StreamedLeaf`: streamed writes, lazy reads."""
+
+    def typestr(self) -> str:
+        return "jax.Array"  # what the arrays restore as in plain orbax
+
+    async def metadata(self, infos: Sequence[ocp.type_handlers.ParamInfo]) -> Sequence[Any]:
+        return await ocp.type_handlers.ArrayHandler().metadata(infos)
+
+    async def serialize(
+        self,
+        values: Sequence[_StreamedLeaf],
+        infos: Sequence[ocp.type_handlers.ParamInfo],
+        args: Sequence[ocp.type_handlers.SaveArgs] | None = None,
+    ) -> list:
+        del args
+        stream = values[0].stream
+
+        async def write() -> None:
+            await asyncio.gather(*(info.await_path_creation() for info in infos))
+            stream.write(values, infos)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jax_mlp_offload_save")]
+
+    async def deserialize(
+        self,
+        infos: Sequence[ocp.type_handlers.ParamInfo],
+        args: Sequence[ocp.type_handlers.RestoreArgs] | None = None,
+    ) -> list:
+        del args
+        await asyncio.gather(*(info.await_path_creation() for info in infos))
+        opened = [
+            ts.open(
+                ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=bool(info.is_ocdbt_checkpoint)),
+                open=True,
+                read=True,
+                context=info.ts_context,
+            )
+            for info in infos
+        ]
+        return list(await asyncio.gather(*opened))
+
+
+_REGISTRY = ocp.type_handlers.create_type_handler_registry((_StreamedLeaf, _StreamedLeafHandler()))
+
+
+def _pytree_handler() -> ocp.PyTreeCheckpointHandler:
+    """Orbax's PyTree handler, writing plain zarr3 arrays (no OCDBT: each array is filled region by region)."""
+    return ocp.PyTreeCheckpointHandler(
+        use_ocdbt=False, use_zarr3=True, use_compression=False, type_handler_registry=_REGISTRY
+    )
+
+
+class _Saved(NamedTuple):
+    """What a checkpoint item says of itself: the ``jax_mlp`` entry of its custom metadata, if any."""
+
+    step: int | None
+    has_master: bool
+
+
+def _saved(directory: epath.Path) -> _Saved:
+    try:
+        metadata = ocp.PyTreeCheckpointHandler().metadata(directory)
+    except FileNotFoundError as error:
+        raise OffloadError(f"{directory} holds no orbax PyTree checkpoint ({error})") from error
+    custom = (metadata.custom_metadata or {}).get(_METADATA_KEY)
+    if custom is None:  # plain optax
+        return _Saved(None, False)
+    return _Saved(int(custom["step"]), bool(custom["master"]))
+
+
+def _restore_item(expected: Any, master_dtype: Any, saved: _Saved) -> tuple[Any, Any]:
+    """The tree to restore from the checkpoint, and the name of each of its leaves in ``expected``."""
+    names = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(expected), _paths_of(expected))
+    if master_dtype is None and saved.has_master:
+        return {_STATE: expected}, {_STATE: names}
+    if master_dtype is not None and not saved.has_master:
+        return expected[_STATE], names[_STATE]
+    return expected, names
+
+
+def _open_arrays(directory: epath.Path, offloader: Offloader, params: Any, saved: _Saved) -> dict[str, Any]:
+    """Opens the arrays to restore, keyed by their path in the offload's standard layout; reads nothing."""
+    master_dtype = offloader.config.master_dtype
+    item, names = _restore_item(standard_layout(offloader.inner, params, master_dtype), master_dtype, saved)
+    restore = ocp.args.PyTreeRestore(
+        item=item,
+        restore_args=jax.tree.map(lambda _: ocp.type_handlers.RestoreArgs(restore_type=_StreamedLeaf), item),
+        partial_restore=saved.has_master and master_dtype is None,
+    )
+    try:
+        opened = _pytree_handler().restore(directory, args=restore)
+    except (ValueError, KeyError) as error:
+        raise OffloadError(
+            f"checkpoint {directory} does not hold the state of this optimizer for these params ({error}); restore "
+            "with the inner optimizer and params it was saved with"
+        ) from error
+    arrays = {}
+    for name, want, array in zip(
+        jax.tree.leaves(names),
+        jax.tree.leaves(item),
+        jax.tree.leaves(opened, is_leaf=lambda x: isinstance(x, ts.TensorStore)),
+        strict=True,
+    ):
+        if tuple(array.shape) != tuple(want.shape):
+            raise OffloadError(
+                f"checkpoint {directory} holds {name} with shape {tuple(array.shape)}, but these params need "
+                f"{tuple(want.shape)}; restore with the params it was saved with"
+            )
+        arrays[name] = array
+    return arrays
+
+
+class _Restore:
+    """The reads of one restore: each subgroup's record fields from the checkpoint's arrays."""
+
+    def __init__(self, inner: optax.GradientTransformation, plan: Plan, arrays: dict[str, Any], params: Any):
+        self.plan = plan
+        self.layout = _layout(inner, plan)
+        self.arrays = [arrays.get(name) for name in self.layout.names]
+        self.params = jax.tree.leaves(params)
+
+    def _master_from_params(self, region: _Region, leaf: int) -> np.ndarray:
+        value = jnp.asarray(self.params[leaf])
+        if region.rows is not None:
+            value = value[region.rows[0] : region.rows[1]]
+        return np.asarray(value.astype(self.plan.master_dtype))
+
+    def load(self, index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Subgroup ``index``'s state and master leaves, read from the checkpoint (or the params)."""
+        subgroup = self.plan.subgroups[index]
+        regions = self.layout.regions[index]
+        fields = [*subgroup.layout.state_fields, *subgroup.layout.master_fields]
+        reads = [None if self.arrays[r.leaf] is None else _region_of(self.arrays[r.leaf], r).read() for r in regions]
+        split = len(subgroup.layout.state_fields)
+        values = []
+        for i, (region, field, read) in enumerate(zip(regions, fields, reads, strict=True)):
+            value = self._master_from_params(region, subgroup.pieces[i - split].leaf) if read is None else read.result()
+            values.append(np.asarray(value).astype(field.dtype, copy=False))
+        return values[:split], values[split:]
+
+
+class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
+    """The orbax handler of :class:`OffloadSave` and :class:`OffloadRestore`.
+
+    Orbax finds it through the args, so a ``CheckpointManager`` needs no ``item_handlers``. Saving
+    flushes the offload and pins its step; the subgroups then stream out in the background while
+    training goes on, and an update waits only to overwrite a record the save has not read yet.
+    """
+
+    async def async_save(self, directory: epath.Path, args: OffloadSave) -> list | None:
+        """Starts saving ``args.offload`` at its current step; returns the futures that finish it."""
+        offloader = _offloader_of(args.offload)
+        pin = offloader.pin()
+        try:
+            stream = _SaveStream(offloader, pin)
+            has_master = offloader.plan.master_dtype is not None
+            custom = {_METADATA_KEY: {"format": _FORMAT, "step": pin.step, "master": has_master}}
+            save = ocp.args.PyTreeSave(stream.placeholders(), custom_metadata=custom)
+            return await _pytree_handler().async_save(directory, args=save)
+        except BaseException:
+            pin.release()
+            raise
+
+    def save(self, directory: epath.Path, args: OffloadSave) -> None:
+        """Saves ``args.offload`` at its current step; returns once the checkpoint is written."""
+
+        async def save() -> list:
+            return await self.async_save(directory, args) or []
+
+        for future in asyncio.run(save()):
+            future.result()
+
+    def restore(self, directory: epath.Path, args: OffloadRestore | None = None) -> OffloadState:
+        """Streams a checkpoint into the tiers of ``args.offload``, which it initialises.
+
+        Returns:
+          The :class:`~jax_mlp.OffloadState` at the restored step: the offload's part of the opt_state.
+        """
+        if args is None:
+            raise OffloadError(
+                f"restoring {directory} needs a new mlp_offload to restore into: pass "
+                "jax_mlp.OffloadRestore(offload, params), or ocp.args.StandardRestore(...) for plain optax"
+            )
+        offloader = _offloader_of(args.offload)
+        if offloader.plan is not None:
+            raise OffloadError(
+                "OffloadRestore needs a fresh mlp_offload, but this one is initialised; create a new one (on empty "
+                "paths) and do not call its init: the restore does"
+            )
+        saved = _saved(directory)
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(args.params))
+        if offloader.config.master_dtype is not None and not saved.has_master and abstract:
+            raise OffloadError(
+                f"checkpoint {directory} has no master params, so the master copy starts from the params: pass the "
+                "params' values, not their shapes, in OffloadRestore(params=...)"
+            )
+        arrays = _open_arrays(directory, offloader, args.params, saved)
+        step = args.step if args.step is not None else saved.step or 0
+
+        def loader(plan: Plan) -> Any:
+            return _Restore(offloader.inner, plan, arrays, args.params).load
+
+        return offloader.init_from(args.params, step, loader)
+
+    def metadata(self, directory: epath.Path) -> Any:
+        """The item's orbax tree metadata: the shapes and dtypes of the standard layout."""
+        return ocp.PyTreeCheckpointHandler().metadata(directory)
+
+
+ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)(OffloadSave)
+ocp.args.register_with_handler(OffloadCheckpointHandler, for_restore=True)(OffloadRestore)
+
+
+def restore_params(offload: OffloadTransformation | Offloader, params_like: Any) -> Any:
+    """The params at the offload's step, from its master copy in the tiers: resume after a crash.
+
+    Each leaf is ``master.astype(param dtype)``, which is exactly what training had applied, so a
+    run resumed with ``mlp_offload(..., resume=True)`` needs no checkpoint. Reads stream subgroup by
+    subgroup; the result takes the params' memory once.
+
+    Args:
+      offload: an initialised ``mlp_offload`` with ``master_dtype`` (typically just resumed).
+      params_like: the params' tree of arrays or ``jax.ShapeDtypeStruct``s: structure, shapes, dtypes
+        and, if present, shardings of the result.
+
+    Returns:
+      The params, as jax arrays placed like ``params_like`` (default device if it has no sharding).
+    """
+    offloader = _offloader_of(offload)
+    plan = offloader.plan
+    if plan is None:
+        raise OffloadError("restore_params needs an initialised mlp_offload: create it with resume=True and call init")
+    if plan.master_dtype is None:
+        raise OffloadError(
+            "this mlp_offload keeps no master params (master_dtype=None), so the tiers cannot give the params back; "
+            "restore them from a checkpoint"
+        )
+    likes = _check_like(plan, params_like)
+    values: list[Any] = [None] * len(plan.leaves)
+
+    def convert(index: int, fetched: tuple) -> None:
+        for piece, master in zip(plan.subgroups[index].pieces, fetched[1], strict=True):
+            value = np.asarray(jnp.asarray(master).astype(plan.leaves[piece.leaf].dtype))
+            if piece.rows is None:
+                values[piece.leaf] = value
+            else:
+                if values[piece.leaf] is None:
+                    values[piece.leaf] = np.empty(plan.leaves[piece.leaf].shape, value.dtype)
+                values[piece.leaf][piece.rows[0] : piece.rows[1]] = value
+
+    pin = offloader.pin()
+    config = offloader.config
+    engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
+    try:
+        engine.run(range(len(plan.subgroups)), lambda k: offloader.read_pinned(pin, k), convert, lambda *_: None)
+    finally:
+        engine.close()
+        pin.release()
+    placed = [jax.device_put(v, getattr(like, "sharding", None)) for v, like in zip(values, likes, strict=True)]
+    return jax.tree_util.tree_unflatten(plan.treedef, placed)
+
+
+def _check_like(plan: Plan, params_like: Any) -> list:
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_like)
+    if treedef != plan.treedef:
+        raise ValueError("params_like does not have the tree structure of the params the offload was initialised with")
+    for (path, like), spec in zip(path_leaves, plan.leaves, strict=True):
+        if tuple(like.shape) != spec.shape or np.dtype(like.dtype) != spec.dtype:
+            raise ValueError(
+                f"params_like leaf {jax.tree_util.keystr(path)} is {like.dtype}{list(like.shape)}, but the offload "
+                f"was initialised with {spec.dtype}{list(spec.shape)}"
+            )
+    return [like for _, like in path_leaves]

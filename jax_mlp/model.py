@@ -1,0 +1,170 @@
+"""The performance model: bytes each path moves per update, the best split, and the update time.
+
+One update's critical path, for ``N`` records of ``r`` bytes and a cache of ``C`` records:
+
+* alternating order: the first ``C`` subgroups of a step are the last of the previous one, still
+  cached; ``N - C`` records are read and ``N - C`` dirty records are evicted (written) during the
+  update, and the ``C`` left in the cache are written back in the idle time that follows;
+* ascending order: an LRU cache smaller than the state never hits: ``N`` reads, ``N - C`` writes.
+
+A path moves its share as one pipe: ``time_i = read_i / read_bw_i + write_i / write_bw_i``. The
+update takes the slowest path's time (or the compute time, if larger) plus the pipeline's fill.
+The scheduler splits subgroups with :func:`best_split`, so the plan and the run agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class PathSpeed(NamedTuple):
+    """A path's bandwidths in bytes/s."""
+
+    name: str
+    read_bandwidth: float
+    write_bandwidth: float
+
+    @property
+    def seconds_per_byte(self) -> float:
+        """Pipe time to read and write back one byte."""
+        return 1 / self.read_bandwidth + 1 / self.write_bandwidth
+
+
+class Prediction(NamedTuple):
+    """What the model predicts for one update."""
+
+    seconds: float
+    shares: tuple[float, ...]
+    bytes_read: tuple[float, ...]
+    bytes_written: tuple[float, ...]
+    path_seconds: tuple[float, ...]
+    idle_write_bytes: float
+
+
+def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
+    """Shares of the offloaded bytes per path that make all paths finish together."""
+    speeds = [1 / p.seconds_per_byte for p in paths]
+    total = sum(speeds)
+    return tuple(s / total for s in speeds)
+
+
+def critical_records(num_records: int, cached_records: int, *, alternate: bool) -> tuple[int, int, int]:
+    """Records read and written during one update, and written back after it (idle time)."""
+    cached = min(cached_records, num_records)
+    if cached == num_records:
+        return 0, 0, num_records
+    reads = num_records - cached if alternate else num_records
+    return reads, num_records - cached, cached
+
+
+def predict(
+    paths: Sequence[PathSpeed],
+    *,
+    num_records: int,
+    record_bytes: float,
+    cache_bytes: float = 0,
+    alternate: bool = True,
+    shares: Sequence[float] | None = None,
+    compute_seconds: float = 0.0,
+    idle_seconds: float = math.inf,
+    processes_per_node: int = 1,
+    contention: float = 1.0,
+    prefetch_in_idle: bool = False,
+) -> Prediction:
+    """Predicts one update's time and traffic.
+
+    Args:
+      paths: the paths and their bandwidths.
+      num_records: subgroups in the plan (per process).
+      record_bytes: bytes of one record.
+      cache_bytes: the host cache of each process.
+      alternate: whether the order alternates (else ascending every step).
+      shares: the split over paths (default: :func:`best_split`).
+      compute_seconds: time the pipeline needs without any I/O wait (all subgroups cached).
+      idle_seconds: time between updates (forward and backward) available for write-back.
+      processes_per_node: processes of a node that share each path.
+      contention: bandwidth kept when several processes hit a path at once with no node lock
+        (1.0 with the lock: they take turns at full speed).
+      prefetch_in_idle: whether the first reads of the update ran in the idle time before it.
+
+    Returns:
+      The prediction: time, split, and bytes per path per process.
+    """
+    shares = tuple(shares) if shares is not None else best_split(paths)
+    cached = int(cache_bytes // record_bytes) if record_bytes else 0
+    reads, writes, idle = critical_records(num_records, cached, alternate=alternate)
+    factor = processes_per_node / (contention if processes_per_node > 1 else 1.0)
+    bytes_read = tuple(s * reads * record_bytes for s in shares)
+    bytes_written = tuple(s * writes * record_bytes for s in shares)
+    path_seconds = tuple(
+        factor * (r / p.read_bandwidth + w / p.write_bandwidth)
+        for p, r, w in zip(paths, bytes_read, bytes_written, strict=True)
+    )
+    idle_seconds_needed = max(
+        factor * s * idle * record_bytes / p.write_bandwidth for p, s in zip(paths, shares, strict=True)
+    )
+    used = [p for p, s in zip(paths, shares, strict=True) if s > 0]
+    fill = record_bytes / min(p.write_bandwidth for p in used) if writes else 0.0
+    if reads and not prefetch_in_idle:
+        fill += record_bytes / min(p.read_bandwidth for p in used)
+    seconds = max(max(path_seconds), compute_seconds) + fill + max(0.0, idle_seconds_needed - idle_seconds)
+    return Prediction(seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes)
+
+
+class Variant(NamedTuple):
+    """One row of the ablation: which mechanisms are on.
+
+    ``balanced`` is where we go beyond the paper: the split follows measured bandwidth (and is
+    rebalanced while running) instead of a fixed ratio, and the idle time before an update
+    prefetches its first reads.
+    """
+
+    name: str
+    alternate: bool
+    multipath: bool
+    node_lock: bool
+    balanced: bool
+
+
+ABLATION = (
+    Variant("baseline", alternate=False, multipath=False, node_lock=False, balanced=False),
+    Variant("+order/cache", alternate=True, multipath=False, node_lock=False, balanced=False),
+    Variant("+multi-path", alternate=True, multipath=True, node_lock=False, balanced=False),
+    Variant("+concurrency control", alternate=True, multipath=True, node_lock=True, balanced=False),
+    Variant("full", alternate=True, multipath=True, node_lock=True, balanced=True),
+)
+
+
+def predict_variant(
+    variant: Variant,
+    paths: Sequence[PathSpeed],
+    *,
+    num_records: int,
+    record_bytes: float,
+    cache_bytes: float,
+    processes_per_node: int = 1,
+    contention: float = 0.8,
+    compute_seconds: float = 0.0,
+    idle_seconds: float = math.inf,
+) -> Prediction:
+    """The prediction for one ablation variant.
+
+    The baseline uses the first path with no cache; without ``balanced`` the split is equal
+    (a fixed ratio, as in the paper) and nothing is prefetched in idle time.
+    """
+    used = tuple(paths) if variant.multipath else tuple(paths[:1])
+    return predict(
+        used,
+        num_records=num_records,
+        record_bytes=record_bytes,
+        cache_bytes=cache_bytes if variant.alternate else 0,
+        alternate=variant.alternate,
+        shares=None if variant.balanced else tuple(1 / len(used) for _ in used),
+        compute_seconds=compute_seconds,
+        idle_seconds=idle_seconds,
+        processes_per_node=processes_per_node,
+        contention=1.0 if variant.node_lock else contention,
+        prefetch_in_idle=variant.balanced,
+    )

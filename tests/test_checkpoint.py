@@ -1,0 +1,348 @@
+"""Orbax checkpoints in the standard optax layout: across processes, to and from plain optax, other tiers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import assert_same_bits, decay_mask, grads_at, make_params, max_relative_deviation
+
+import jax_mlp
+from jax_mlp.tiers import PathStore
+
+TESTS = Path(__file__).resolve().parent
+OPTIONS = {"subgroup_size": "16KiB", "host_cache": "40KiB"}  # splits "big" into row chunks; a partial cache
+TOLERANCE = 1e-5  # per leaf, relative to the largest |param|: the core issue's contract
+
+
+# One optimizer object for the module: compiled subgroup updates are cached per object.
+INNER = optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def train_offloaded(tx, params, state, steps):
+    for step in steps:
+        updates, state = tx.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def train_plain(optimizer, params, state, steps):
+    for step in steps:
+        updates, state = optimizer.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def restore(directory, step, opt_args, params_like):
+    """Restores params and opt_state with a fresh manager (orbax binds an item to its first handler)."""
+    with ocp.CheckpointManager(directory) as manager:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params_like), opt_state=opt_args)
+        )
+    return restored["params"], restored["opt_state"]
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import jax, numpy as np, optax, orbax.checkpoint as ocp
+    import jax_mlp
+    from test_checkpoint import abstract, grads_at, INNER, make_params, restore, train_offloaded, train_plain
+
+    root = sys.argv[2]
+    like = abstract(make_params())
+
+    def offloaded(directory, step, **options):
+        tx = jax_mlp.mlp_offload(INNER, **options)
+        params, state = restore(directory, 5, jax_mlp.OffloadRestore(tx, like), like)
+        assert int(state.step) == step, state
+        params, _ = train_offloaded(tx, params, state, range(5, 10))
+        tx.close()
+        return params
+
+    def plain(directory):
+        layout = jax_mlp.standard_layout(INNER, like)
+        params, state = restore(directory, 5, ocp.args.StandardRestore(layout), like)
+        return train_plain(INNER, params, state, range(5, 10))[0]
+
+    results = {
+        "same_plan": offloaded(f"{root}/offloaded", 5, paths=[f"{root}/new"], subgroup_size="16KiB", host_cache="40KiB"),
+        "other_plan": offloaded(
+            f"{root}/offloaded", 5, paths=[f"{root}/p1", f"{root}/p2", f"{root}/p3"], subgroup_size="8KiB"
+        ),
+        "into_plain": plain(f"{root}/offloaded"),
+        "from_plain": offloaded(f"{root}/plain", 0, paths=[f"{root}/p4"], subgroup_size="16KiB", host_cache="1MiB"),
+    }
+    leaves = {f"{name}/{i}": np.asarray(x) for name, tree in results.items() for i, x in enumerate(jax.tree.leaves(tree))}
+    np.savez(f"{root}/results.npz", **leaves)
+    """
+)
+
+
+def test_a_checkpoint_restores_in_a_new_process_bitwise_and_into_and_from_plain_optax(tmp_path):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a", tmp_path / "b"], **OPTIONS)
+    with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
+        state = tx.init(params)
+        assert any(p.rows is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces), "a leaf is split"
+        params, state = train_offloaded(tx, params, state, range(5))
+        args = ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+        manager.save(5, args=args)
+        offloaded, _ = train_offloaded(tx, params, state, range(5, 10))  # while the save streams out
+    tx.close()
+
+    plain_params = make_params()
+    with ocp.CheckpointManager(tmp_path / "plain") as manager:
+        plain_params, plain_state = train_plain(INNER, plain_params, INNER.init(plain_params), range(5))
+        manager.save(
+            5,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(plain_params), opt_state=ocp.args.StandardSave(plain_state)
+            ),
+        )
+        plain, _ = train_plain(INNER, plain_params, plain_state, range(5, 10))
+
+    started = time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(TESTS), str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    print(f"child process: {time.perf_counter() - started:.1f}s")
+    with np.load(tmp_path / "results.npz") as saved:
+        results = {
+            name: jax.tree.unflatten(
+                jax.tree.structure(offloaded), [saved[f"{name}/{i}"] for i in range(len(jax.tree.leaves(offloaded)))]
+            )
+            for name in ("same_plan", "other_plan", "into_plain", "from_plain")
+        }
+    assert_same_bits(results["same_plan"], offloaded, "restored into the same plan in a new process")
+    deviations = {
+        "other_plan": max(max_relative_deviation(results["other_plan"], offloaded).values()),
+        "into_plain": max(max_relative_deviation(results["into_plain"], offloaded).values()),
+        "from_plain": max(max_relative_deviation(results["from_plain"], plain).values()),
+    }
+    print("max relative deviation per variant:", deviations)
+    assert all(d <= TOLERANCE for d in deviations.values()), deviations
+    moved = max(max_relative_deviation(offloaded, make_params()).values())
+    assert moved > 100 * TOLERANCE, "training moved the params far more than the tolerance"
+
+
+def test_master_params_round_trip_and_restore_into_plain_optax(tmp_path):
+    """With bf16 params and fp32 masters, the checkpoint holds both; plain optax continues on the masters."""
+    params = make_params(dtype=jnp.bfloat16)
+    options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32}
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], **options)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        state = tx.init(params)
+        params, state = train_offloaded(tx, params, state, range(5))
+        manager.save(
+            5, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+        )
+        offloaded, state = train_offloaded(tx, params, state, range(5, 10))
+        manager.save(10, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
+    tx.close()
+
+    like = abstract(params)
+    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], **options)
+    restored, state = restore(tmp_path / "ckpt", 5, jax_mlp.OffloadRestore(resumed, like), like)
+    assert_same_bits(train_offloaded(resumed, restored, state, range(5, 10))[0], offloaded)
+    resumed.close()
+
+    layout = jax_mlp.standard_layout(optax.adam(1e-2), like, jnp.float32)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        at_5 = manager.restore(5, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))["opt_state"]
+        at_10 = manager.restore(10, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))["opt_state"]
+    assert jax.tree.leaves(at_5["master"])[0].dtype == np.float32
+    assert_same_bits(jax.tree.map(lambda m: jnp.asarray(m).astype(jnp.bfloat16), at_5["master"]), restored)
+    masters, plain_state = jax.tree.map(jnp.asarray, at_5["master"]), at_5["opt_state"]
+    for step in range(5, 10):  # the same data: gradients of the bf16 params, up-cast
+        grads = jax.tree.map(
+            lambda g: g.astype(jnp.float32), grads_at(jax.tree.map(lambda m: m.astype(jnp.bfloat16), masters), step)
+        )
+        updates, plain_state = optax.adam(1e-2).update(grads, plain_state, masters)
+        masters = optax.apply_updates(masters, updates)
+    deviation = max(max_relative_deviation(masters, at_10["master"]).values())
+    print(f"plain optax on the fp32 masters vs the offloaded masters at step 10: {deviation:.2e}")
+    assert deviation <= TOLERANCE
+
+
+def test_a_plain_checkpoint_needs_param_values_to_start_master_params(tmp_path):
+    params = make_params()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(optax.adam(1e-2).init(params))))
+    options = {"paths": [tmp_path / "a"], "subgroup_size": "16KiB", "master_dtype": jnp.float32}
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), **options)
+    with (
+        pytest.raises(jax_mlp.OffloadError, match=r"has no master params.*pass the params' values"),
+        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+    ):
+        manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(params))))
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
+    assert_same_bits(jax_mlp.restore_params(tx, params), params)  # the masters started from the params
+    tx.close()
+
+
+def test_a_checkpoint_of_another_optimizer_or_model_is_refused_with_the_reason(tmp_path):
+    params = make_params()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(
+            0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(optax.sgd(1e-2, momentum=0.9).init(params)))
+        )
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"])
+    with (
+        pytest.raises(jax_mlp.OffloadError, match=r"does not hold the state of this optimizer"),
+        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+    ):
+        manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
+    other = dict(params, embed=jnp.zeros((41, 16)))
+    tx = jax_mlp.mlp_offload(optax.sgd(1e-2, momentum=0.9), paths=[tmp_path / "b"])
+    with (
+        pytest.raises(jax_mlp.OffloadError, match=r"\['embed'\] with shape \(40, 16\).*need \(41, 16\)"),
+        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+    ):
+        manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, other)))
+
+
+def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path, monkeypatch):
+    """Only writes that would overwrite a record the save has not read yet wait for it."""
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], subgroup_size="16KiB")
+    state = tx.init(params)
+    params, state = train_offloaded(tx, params, state, range(3))
+    num_subgroups = len(tx.offloader.plan.subgroups)
+    read_done, writes = {}, []
+    original_read, original_write = jax_mlp.Offloader.read_pinned, PathStore.write
+
+    def slow_read(self, pin, index):
+        time.sleep(0.1)  # a slow save: 24 records on 2 reader threads take 1.2 s or more
+        result = original_read(self, pin, index)
+        read_done[index] = time.perf_counter()
+        return result
+
+    def logged_write(self, subgroup, slot, record):
+        writes.append((subgroup, slot, time.perf_counter()))
+        return original_write(self, subgroup, slot, record)
+
+    monkeypatch.setattr(jax_mlp.Offloader, "read_pinned", slow_read)
+    monkeypatch.setattr(PathStore, "write", logged_write)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        save_started = time.perf_counter()
+        manager.save(
+            3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+        )
+        blocking = time.perf_counter() - save_started
+        params_3 = params
+        started = time.perf_counter()
+        params, state = train_offloaded(tx, params, state, [3])  # writes the other slot: must not wait
+        free_update = time.perf_counter() - started
+        started = time.perf_counter()
+        params, state = train_offloaded(tx, params, state, [4])  # overwrites step 3's slot: waits per record
+        pinned_update = time.perf_counter() - started
+        manager.wait_until_finished()
+    save_seconds = max(read_done.values()) - save_started
+    print(
+        f"save of {num_subgroups} slowed reads: blocking {blocking * 1e3:.0f} ms, update beside it "
+        f"{free_update * 1e3:.0f} ms, the next one {pinned_update * 1e3:.0f} ms, save reading {save_seconds:.2f} s"
+    )
+    assert blocking < 0.25 * save_seconds
+    step_4_writes = [at for _, slot, at in writes if slot == 4 % 2]
+    assert step_4_writes and max(step_4_writes) < save_started + save_seconds, "the next update waited for the save"
+    step_5_writes = {subgroup: at for subgroup, slot, at in writes if slot == 5 % 2}
+    assert len(step_5_writes) == num_subgroups
+    assert all(step_5_writes[k] >= read_done[k] for k in range(num_subgroups)), "a pinned record was overwritten"
+    monkeypatch.undo()
+    expected, _ = train_offloaded(tx, params, state, range(5, 8))
+    tx.close()
+
+    like = abstract(params_3)
+    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], subgroup_size="16KiB")
+    restored, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(resumed, like), like)
+    assert int(state.step) == 3
+    assert_same_bits(train_offloaded(resumed, restored, state, range(3, 8))[0], expected)
+    resumed.close()
+
+
+MEMORY = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp, psutil
+    import jax_mlp
+
+    process = psutil.Process()
+    peak = [0]
+
+    def sample():
+        while True:
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.001)
+
+    def rise(action):
+        time.sleep(0.05)
+        before = process.memory_info().rss
+        peak[0] = before
+        result = action()
+        time.sleep(0.01)
+        return peak[0] - before, result
+
+    root = sys.argv[1]
+    n = 64 * 1024**2  # 64M float32 params: 256 MiB; adam state: 512 MiB
+    params = {"w": jnp.ones((n // 1024, 1024), jnp.float32), "b": jnp.zeros((1024,), jnp.float32)}
+    options = {"host_cache": "32MiB", "subgroup_size": "8MiB"}
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[f"{root}/tier"], **options)
+    state = tx.init(params)
+    threading.Thread(target=sample, daemon=True).start()
+    updates = []
+    for step in range(2):
+        grads = jax.tree.map(lambda p: p * 0.01 + step, params)
+        jax.block_until_ready(grads)
+        grown, (u, state) = rise(lambda: tx.update(grads, state, params))
+        updates.append(grown)
+        del u, grads
+    manager = ocp.CheckpointManager(f"{root}/ckpt")
+    def save():
+        manager.save(2, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
+        manager.wait_until_finished()
+    save_rise, _ = rise(save)
+    tx.close(delete=True)
+    fresh = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[f"{root}/other"], **options)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    restore_rise, restored = rise(
+        lambda: manager.restore(2, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(fresh, like)))
+    )
+    assert int(restored["opt_state"].step) == 2
+    print(json.dumps({"updates": updates, "save": save_rise, "restore": restore_rise,
+                      "state_bytes": fresh.offloader.plan.state_nbytes}))
+    fresh.close(delete=True)
+    """
+)
+
+
+def test_peak_memory_of_save_and_restore_stays_within_the_bound_of_update(tmp_path):
+    result = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    print(
+        "RSS rises (MiB):", {k: v / 2**20 if isinstance(v, int) else [x / 2**20 for x in v] for k, v in figures.items()}
+    )
+    params_bytes = 64 * 1024**2 * 4
+    bound = params_bytes + 256 * 1024**2  # the documented bound of update (tests/test_memory.py)
+    assert figures["state_bytes"] >= 2 * params_bytes
+    for action in ("save", "restore"):
+        assert figures[action] < min(bound, max(figures["updates"])), (action, figures)
+        assert figures[action] < figures["state_bytes"] / 2, (action, figures)

@@ -1,0 +1,188 @@
+"""kill -9 during an update loses nothing: the tiers resume at the last complete step, bit for bit.
+
+A child process trains with bf16 params and fp32 master params in the tiers and SIGKILLs itself at a
+chosen point: inside update 6 while reading, mid-compute, or with writes in flight (one record half
+written), or between updates while the cached records of step 6 are written back. The test then
+resumes from the tiers alone, takes the params from the master copy, restarts the data at the
+resumed step and compares with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import assert_same_bits, grads_at, make_params
+
+import jax_mlp
+from jax_mlp.tiers import PathStore
+
+TESTS = Path(__file__).resolve().parent
+OPTIONS = {"subgroup_size": "32KiB", "host_cache": "80KiB", "master_dtype": jnp.float32}
+KILLED_AT = 6
+STEPS = 10
+# Where each child dies, and the step the tiers must resume at: killed inside update 6, step 6 is
+# complete on storage; killed while step 6's cached records are written back after update 5, it
+# is not, and step 5 is the last complete one.
+RESUMES_AT = {"read": KILLED_AT, "compute": KILLED_AT, "write": KILLED_AT, "writeback": KILLED_AT - 1}
+
+
+# One optimizer object for the module: compiled subgroup updates are cached per object.
+INNER = optax.adamw(1e-2, weight_decay=0.1)
+
+
+def train(tx, params, state, steps):
+    for step in steps:
+        updates, state = tx.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import jax_mlp
+    from jax_mlp.engine import Engine
+    from jax_mlp.tiers import PathStore, TierStack
+    from test_crash import KILLED_AT, OPTIONS, STEPS, INNER, make_params, train
+
+    root, point = sys.argv[2], sys.argv[3]
+    calls, updating = [], []
+    fetch, run, write, update = TierStack.fetch, Engine.run, PathStore.write, jax_mlp.Offloader.update
+
+    def die(**where):
+        with open(f"{root}/killed.json", "w") as f:
+            json.dump({"point": point, "subgroups": subgroups, **where}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_update(self, *args, **kwargs):
+        updating.append(self.step)
+        try:
+            return update(self, *args, **kwargs)
+        finally:
+            updating.pop()
+
+    def reading(self, subgroup, step):
+        if updating == [KILLED_AT]:
+            calls.append(subgroup)
+            if len(calls) == 2:
+                die(subgroup=subgroup)
+        return fetch(self, subgroup, step)
+
+    def running(self, order, fetch, compute, store):
+        def computing(index, fetched):
+            if updating == [KILLED_AT]:
+                calls.append(index)
+                if len(calls) == subgroups // 2:
+                    die(computed=len(calls) - 1)
+            return compute(index, fetched)
+
+        return run(self, order, fetch, computing, store)
+
+    def writing(self, subgroup, slot, record):
+        # "write": a record of step KILLED_AT + 1 inside update KILLED_AT; "writeback": a dirty cached
+        # record of step KILLED_AT written back in the idle time after the update that made it.
+        during = updating == [KILLED_AT] and slot == (KILLED_AT + 1) % 2
+        idle = tx.offloader.step == KILLED_AT and slot == KILLED_AT % 2  # update 5 is done computing
+        if (point == "write" and during) or (point == "writeback" and idle):
+            calls.append(subgroup)
+            if len(calls) == (subgroups // 2 if point == "write" else 1):
+                torn = record.copy()
+                torn[record.nbytes // 2 :] = 0  # half of the record reached the disk
+                write(self, subgroup, slot, torn)
+                die(subgroup=subgroup, path=self.root, slot=slot, written=len(calls) - 1)
+        return write(self, subgroup, slot, record)
+
+    jax_mlp.Offloader.update = in_update
+    TierStack.fetch, Engine.run, PathStore.write = {
+        "read": (reading, run, write),
+        "compute": (fetch, running, write),
+        "write": (fetch, run, writing),
+        "writeback": (fetch, run, writing),
+    }[point]
+    tx = jax_mlp.mlp_offload(INNER, paths=[f"{root}/nvme", f"{root}/pfs"], **OPTIONS)
+    state = tx.init(make_params(dtype="bfloat16"))
+    subgroups = len(tx.offloader.plan.subgroups)
+    train(tx, make_params(dtype="bfloat16"), state, range(STEPS))
+    print("the kill point was never reached")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    tx = jax_mlp.mlp_offload(INNER, paths=[root / "nvme", root / "pfs"], **OPTIONS)
+    params = make_params(dtype=jnp.bfloat16)
+    params, _ = train(tx, params, tx.init(params), range(STEPS))
+    tx.close()
+    return params
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Runs the three children at once; returns each one's directory."""
+    roots = {point: tmp_path_factory.mktemp(f"killed_{point}") for point in RESUMES_AT}
+    children = {
+        point: subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(TESTS), str(root), point],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for point, root in roots.items()
+    }
+    for point, child in children.items():
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == -signal.SIGKILL, f"{point}: rc={child.returncode}\n{out}\n{err[-3000:]}"
+    return roots
+
+
+@pytest.mark.parametrize("point", list(RESUMES_AT))
+def test_kill_9_during_an_update_resumes_from_the_tiers_bitwise(point, killed, uninterrupted):
+    root = killed[point]
+    where = json.loads((root / "killed.json").read_text())
+    assert where["point"] == point
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_params(dtype=jnp.bfloat16))
+    tx = jax_mlp.mlp_offload(INNER, paths=[root / "nvme", root / "pfs"], resume=True, **OPTIONS)
+    state = tx.init(like)
+    step = int(state.step)
+    assert step == RESUMES_AT[point], f"killed at {where}, resumed at step {step}"
+    if "path" in where:  # the half-written record is there, and its checksum rejects it
+        torn = PathStore(where["path"])
+        assert (Path(torn.directory) / f"sg{where['subgroup']:06d}.{where['slot']}" / "zarr.json").exists()
+        assert torn.verified_step(where["subgroup"], where["slot"], tx.offloader.plan.layout_hash) is None
+    params = jax_mlp.restore_params(tx, like)
+    params, _ = train(tx, params, state, range(step, STEPS))  # the data restarts at the resumed step
+    tx.close()
+    assert_same_bits(params, uninterrupted, f"killed at {where}")
+
+
+def test_restore_params_needs_master_params_in_the_tiers(tmp_path):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], subgroup_size="16KiB")
+    with pytest.raises(jax_mlp.OffloadError, match="needs an initialised"):
+        jax_mlp.restore_params(tx, params)
+    tx.init(params)
+    with pytest.raises(jax_mlp.OffloadError, match=r"master_dtype=None.*restore them from a checkpoint"):
+        jax_mlp.restore_params(tx, params)
+    tx.close()
+
+
+def test_restore_params_checks_the_tree_it_is_given(tmp_path):
+    params = make_params(dtype=jnp.bfloat16)
+    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], **OPTIONS)
+    tx.init(params)
+    with pytest.raises(ValueError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
+        jax_mlp.restore_params(tx, dict(params, embed=params["embed"].astype(jnp.float32)))
+    assert_same_bits(jax_mlp.restore_params(tx, params), params)
+    tx.close()

@@ -1,0 +1,277 @@
+"""Faults give an error that names the path or record and the remedy, and the previous step stays restorable.
+
+A full disk and a read-only remount use a real tmpfs (root only); injected variants of the same OS
+errors always run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import assert_same_bits, grads_at, make_params
+
+import jax_mlp
+from jax_mlp.tiers import HEADER_SIZE, PathStore, verify
+
+# A fixed placement, so each fault hits the path it is made on: a rebalancing move could take every
+# record off it, or delete records there and free the space a full disk test has taken.
+OPTIONS = {
+    "subgroup_size": "16KiB",
+    "host_cache": "40KiB",
+    "master_dtype": jnp.float32,
+    "placement": "round_robin",
+    "rebalance": False,
+}
+
+
+# One optimizer object for the module: compiled subgroup updates are cached per object.
+INNER = optax.adam(1e-2)
+
+
+def start(paths, **options):
+    tx = jax_mlp.mlp_offload(INNER, paths=paths, **{**OPTIONS, **options})
+    params = make_params(dtype=jnp.bfloat16)
+    return tx, params, tx.init(params)
+
+
+def train(tx, params, state, steps):
+    for step in steps:
+        updates, state = tx.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Params after each of 8 uninterrupted steps."""
+    tx, params, state = start([tmp_path_factory.mktemp("reference")])
+    history = [params]
+    for step in range(8):
+        params, state = train(tx, params, state, [step])
+        history.append(params)
+    tx.close()
+    return history
+
+
+def resume_and_finish(paths, steps_done, reference):
+    """Resumes from the tiers alone, checks the params, trains to step 8; returns the params."""
+    tx = jax_mlp.mlp_offload(INNER, paths=paths, resume=True, **OPTIONS)
+    state = tx.init(abstract(reference[0]))
+    assert int(state.step) == steps_done
+    params = jax_mlp.restore_params(tx, abstract(reference[0]))
+    assert_same_bits(params, reference[steps_done])
+    params, _ = train(tx, params, state, range(steps_done, 8))
+    tx.close()
+    return params
+
+
+@contextlib.contextmanager
+def tmpfs(directory, size):
+    """A real tmpfs of ``size`` at ``directory``; skips the test where mounting is not allowed."""
+    directory.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}); the injected variants still run")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def fill(directory):
+    """Takes all the free space left on ``directory``'s file system, as another program would."""
+    with open(directory / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while f.write(b"\0" * 4096):
+            pass
+    assert shutil.disk_usage(directory).free < 4096
+
+
+def test_a_full_disk_names_the_path_and_the_last_step_resumes_on_a_roomy_path(tmp_path, reference):
+    with tmpfs(tmp_path / "nvme", "4m") as nvme:
+        tx, params, state = start([nvme, tmp_path / "pfs"])
+        params, state = train(tx, params, state, range(3))
+        assert any(nvme.glob("proc0000/sg*")), "the small path holds records"
+        print(f"records take {shutil.disk_usage(nvme).used / 2**20:.2f} MiB of the tmpfs before it is filled")
+        fill(nvme)
+        with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is full.*free space there or give another path"):
+            train(tx, params, state, [3])
+        # The remedy "give another path": move the full path's records to a roomy one and resume there.
+        shutil.copytree(nvme, tmp_path / "roomy", ignore=shutil.ignore_patterns("filler"))
+        tx.close()
+    finished = resume_and_finish([tmp_path / "roomy", tmp_path / "pfs"], 3, reference)
+    assert_same_bits(finished, reference[8])
+
+
+def test_a_path_remounted_read_only_names_the_path_and_the_update_can_be_retried(tmp_path, reference):
+    with tmpfs(tmp_path / "nvme", "8m") as nvme:
+        tx, params, state = start([nvme, tmp_path / "pfs"])
+        params, state = train(tx, params, state, range(2))
+        subprocess.run(["mount", "-o", "remount,ro", str(nvme)], check=True)
+        with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is not writable \(a read-only file system\)"):
+            train(tx, params, state, [2])
+        subprocess.run(["mount", "-o", "remount,rw", str(nvme)], check=True)
+        params, _ = train(tx, params, state, range(2, 8))  # the same opt_state: nothing was lost
+        tx.close()
+    assert_same_bits(params, reference[8])
+
+
+class _FailingArray:
+    """A tensorstore array whose writes fail with ``error``, as the OS would make them."""
+
+    def __init__(self, array, error):
+        self._array, self._error = array, error
+
+    def __getattr__(self, name):
+        return getattr(self._array, name)
+
+    def write(self, value):
+        raise self._error
+
+
+TENSORSTORE_ENOSPC = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing local file "c/0": Failed to write 8320 bytes to file 3: No space left on '
+    "device [os_error_code='28']"
+)
+TENSORSTORE_EROFS = ValueError(
+    "PERMISSION_DENIED: Error writing local file \"zarr.json\": Read-only file system [os_error_code='30']"
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "is full.*free space there or give another path"),
+        (TENSORSTORE_ENOSPC, "is full.*free space there or give another path"),
+        (OSError(errno.EROFS, os.strerror(errno.EROFS)), r"is not writable \(a read-only file system\); remount"),
+        (TENSORSTORE_EROFS, r"is not writable \(a read-only file system\); remount"),
+        (OSError(errno.EACCES, os.strerror(errno.EACCES)), "is not writable; fix its permissions or give another"),
+    ],
+    ids=["enospc", "tensorstore-enospc", "erofs", "tensorstore-erofs", "eacces"],
+)
+def test_injected_os_errors_name_the_path_and_remedy_and_lose_nothing(paths, reference, monkeypatch, error, message):
+    tx, params, state = start(paths[:2])
+    params, state = train(tx, params, state, range(2))
+    tx.flush()  # the idle-time write-back of step 2 is done: the fault hits update 2's own writes
+    broken = str(paths[1])
+    original = PathStore._array
+
+    def failing(self, subgroup, slot, nbytes, *, create):
+        array = original(self, subgroup, slot, nbytes, create=create)
+        return _FailingArray(array, error) if self.root == broken and create else array
+
+    monkeypatch.setattr(PathStore, "_array", failing)
+    with pytest.raises(jax_mlp.PathError, match=rf"writing record {broken}/proc0000/sg\d+\.1: path {broken} {message}"):
+        train(tx, params, state, [2])
+    monkeypatch.undo()  # space freed, permissions fixed
+    params, _ = train(tx, params, state, range(2, 8))
+    tx.close()
+    assert_same_bits(params, reference[8])
+
+
+def test_a_path_that_vanishes_mid_run_is_named_and_the_last_checkpoint_restores(paths, reference, tmp_path):
+    tx, params, state = start(paths[:2])
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        params, state = train(tx, params, state, range(2))
+        manager.save(
+            2, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+        )
+        params, state = train(tx, params, state, [2, 3])
+    shutil.rmtree(paths[1])
+    with pytest.raises(jax_mlp.PathError, match=rf"path {paths[1]} is gone.*restore it or give another path"):
+        train(tx, params, state, [4])
+    tx.close(delete=True)
+    assert_same_bits(restore_and_finish(tmp_path, paths[2], reference), reference[8])
+
+
+def record_dir(path, subgroup, slot):
+    return path / "proc0000" / f"sg{subgroup:06d}.{slot}"
+
+
+def checkpoint_then_damage(paths, tmp_path, damage):
+    """Trains 3 steps with a checkpoint at step 2, damages a record of step 3, then runs update 3.
+
+    Returns the raised error and what ``resume`` then says; checks that the checkpoint restores.
+    """
+    tx, params, state = start([paths[0]], host_cache=0)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        params, state = train(tx, params, state, range(2))
+        manager.save(
+            2, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+        )
+        params, state = train(tx, params, state, [2])
+    damage()
+    with pytest.raises(jax_mlp.RecordError) as raised:
+        train(tx, params, state, [3])
+    tx.close()
+    # Update 3 had already overwritten step 2 of other subgroups: no step is complete in the tiers.
+    with pytest.raises(jax_mlp.RecordError, match=r"no step has a complete.*restore from a checkpoint"):
+        jax_mlp.mlp_offload(INNER, paths=[paths[0]], resume=True, **OPTIONS).init(abstract(params))
+    return raised.value
+
+
+def restore_and_finish(tmp_path, directory, reference):
+    fresh = jax_mlp.mlp_offload(INNER, paths=[directory], **OPTIONS)
+    like = abstract(reference[0])
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        args = ocp.args.Composite(params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(fresh, like))
+        restored = manager.restore(2, args=args)
+    params, _ = train(fresh, restored["params"], restored["opt_state"], range(2, 8))
+    fresh.close()
+    return params
+
+
+def test_a_truncated_record_is_named_and_the_last_checkpoint_restores(paths, reference, tmp_path):
+    chunk = record_dir(paths[0], 2, 3 % 2) / "c" / "0"
+
+    def cut_short():  # as a copy cut off, or a file system that lost the file's tail
+        chunk.write_bytes(chunk.read_bytes()[:100])
+
+    error = checkpoint_then_damage(paths, tmp_path, cut_short)
+    assert re.search(r"record \S+/sg000002\.1 is missing or unreadable.*restore the last checkpoint", str(error))
+    assert_same_bits(restore_and_finish(tmp_path, paths[1], reference), reference[8])
+
+
+def test_a_record_of_another_run_is_caught_by_the_layout_hash(paths, reference, tmp_path):
+    other = jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[paths[2]], **{**OPTIONS, "host_cache": 0})
+    other.init(make_params(dtype=jnp.bfloat16))  # records of the same sizes, of another optimizer
+    other.close()
+    own = record_dir(paths[0], 1, 3 % 2)
+
+    def replace():
+        shutil.rmtree(own)
+        shutil.copytree(record_dir(paths[2], 1, 0), own)
+
+    error = checkpoint_then_damage(paths, tmp_path, replace)
+    assert re.search(rf"record {own} belongs to another run or subgroup layout \(layout hash [0-9a-f]+", str(error))
+    assert_same_bits(restore_and_finish(tmp_path, paths[1], reference), reference[8])
+
+
+def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference):
+    """Closed tiers hold two complete steps; a record of the newer one shorter than its header says is skipped."""
+    tx, params, state = start([paths[0]], host_cache=0)
+    train(tx, params, state, range(3))
+    layout_hash = tx.offloader.plan.layout_hash
+    tx.close()
+    store = PathStore(str(paths[0]))
+    record = store.read(2, 3 % 2)
+    shutil.rmtree(record_dir(paths[0], 2, 3 % 2))
+    store.write(2, 3 % 2, record[: HEADER_SIZE + (record.nbytes - HEADER_SIZE) // 2])
+    with pytest.raises(jax_mlp.RecordError, match=r"record sg2 is truncated: \d+ of \d+ bytes"):
+        verify(store.read(2, 3 % 2), name="sg2", step=3, layout_hash=layout_hash)
+    assert_same_bits(resume_and_finish([paths[0]], 2, reference), reference[8])

@@ -1,0 +1,247 @@
+"""Placement, rebalancing, order, idle-time I/O, caps, locks and the performance model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import optax
+import pytest
+from conftest import assert_same_bits, grads_at, make_params, run_offload
+
+import jax_mlp
+from jax_mlp import model
+from jax_mlp.model import PathSpeed
+from jax_mlp.probe import probe
+from jax_mlp.scheduler import Scheduler, weighted_interleave
+from jax_mlp.tiers import HEADER_SIZE, Traffic, Usage
+
+SUBGROUP = "16KiB"
+
+
+def test_interleaved_placement_follows_the_shares():
+    sizes = [1000] * 30
+    placement = weighted_interleave(sizes, [2 / 3, 1 / 3])
+    assert placement.count(0) == 20 and placement.count(1) == 10
+    assert all(placement[i : i + 3].count(1) == 1 for i in range(0, 30, 3)), "slow-path records are spread out"
+
+
+def test_best_split_makes_paths_finish_together():
+    paths = [PathSpeed("nvme", 5e9, 4e9), PathSpeed("pfs", 2e9, 1e9)]
+    prediction = model.predict(paths, num_records=100, record_bytes=1e8)
+    fast, slow = prediction.path_seconds
+    assert abs(fast - slow) <= 1e-9 * fast
+    assert prediction.shares[0] > prediction.shares[1]
+    assert model.predict(paths, num_records=100, record_bytes=1e8, shares=(0.5, 0.5)).seconds > prediction.seconds
+
+
+def test_critical_records_of_each_order():
+    assert model.critical_records(10, 3, alternate=True) == (7, 7, 3)
+    assert model.critical_records(10, 3, alternate=False) == (10, 7, 3)
+    assert model.critical_records(10, 12, alternate=True) == (0, 0, 10)
+
+
+def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():
+    scheduler = Scheduler([1000] * 40, [PathSpeed("a", 1e8, 1e8), PathSpeed("b", 1e8, 1e8)])
+    assert scheduler.shares == (0.5, 0.5)
+    before = scheduler.subgroups_per_path()
+    # Path b moved as many bytes as a but was busy four times longer: it is four times slower.
+    changed = scheduler.observe([Usage(20_000, 20_000, 1.0), Usage(20_000, 20_000, 4.0)])
+    assert changed
+    assert scheduler.shares[0] == pytest.approx(0.8, abs=0.01)
+    after = scheduler.subgroups_per_path()
+    assert after[0] > before[0] and scheduler.moves == after[0] - before[0]
+    assert not scheduler.observe([Usage(32_000, 32_000, 1.0), Usage(8_000, 8_000, 1.0)]), "balanced: no move"
+
+
+def test_ascending_order_never_hits_a_partial_cache_and_alternating_does(paths):
+    params = make_params()
+    plan = jax_mlp.transform.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
+    third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
+    hits = {}
+    for order, path in (("ascending", paths[0]), ("alternate", paths[1])):
+        tx = jax_mlp.mlp_offload(
+            optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, host_cache=third, order=order, idle_prefetch=False
+        )
+        state = tx.init(params)
+        for step in range(3):
+            _, state = tx.update(grads_at(params, step), state, params)
+        hits[order] = tx.stats.cache_hits
+        tx.close()
+    cached_records = model.critical_records(len(plan.subgroups), 0, alternate=True)[0]
+    assert hits["ascending"] == 0
+    assert 0 < hits["alternate"] <= cached_records
+
+
+def test_idle_prefetch_reads_the_next_updates_first_records_once(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, prefetch_depth=3)
+    state = tx.init(params)
+    offloader = tx.offloader
+    assert sorted(offloader._prefetched) == sorted(offloader.scheduler.order(0)[:3])
+    record_bytes = sum(HEADER_SIZE + sg.layout.nbytes for sg in offloader.plan.subgroups)
+    for step in range(2):
+        _, state = tx.update(grads_at(params, step), state, params)
+        assert sum(tx.stats.bytes_read.values()) == record_bytes, "prefetched records are not read again"
+        assert sorted(offloader._prefetched) == sorted(offloader.scheduler.order(step + 1)[:3])
+    tx.close()
+
+
+def test_lazy_flush_writes_cached_records_only_when_asked(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(
+        optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="8MiB", flush="lazy"
+    )
+    state = tx.init(params)
+    for step in range(3):
+        _, state = tx.update(grads_at(params, step), state, params)
+        assert sum(tx.stats.bytes_written.values()) == 0
+    tx.flush()
+    tx.close()
+    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True)
+    assert int(resumed.init(params).step) == 3
+    resumed.close()
+
+
+def test_bits_do_not_depend_on_the_mechanisms_or_on_rebalancing_moves(paths):
+    params = make_params()
+    inner = optax.adam(1e-2)
+    reference = run_offload(inner, params, 6, [paths[0] / "ref"], subgroup_size=SUBGROUP)[0]
+    baseline = run_offload(
+        inner, params, 6, [paths[1] / "base"], subgroup_size=SUBGROUP, order="ascending", idle_prefetch=False
+    )[0]
+    assert_same_bits(baseline, reference, "baseline variant")
+
+    fast = jax_mlp.Path(paths[1] / "fast", max_read="16MB/s", max_write="16MB/s")
+    slow = jax_mlp.Path(paths[2] / "slow", max_read="8MB/s", max_write="8MB/s")
+    tx = jax_mlp.mlp_offload(
+        inner, paths=[fast, slow], subgroup_size=SUBGROUP, host_cache="32KiB", flush="lazy", node_lock=True
+    )
+    state, current = tx.init(params), params
+    for step in range(6):
+        if step == 2:
+            tx.offloader.set_caps(1, max_read="1MB/s", max_write="1MB/s")
+        updates, state = tx.update(grads_at(current, step), state, current)
+        current = optax.apply_updates(current, updates)
+    scheduler = tx.offloader.scheduler
+    assert scheduler.moves > 0 and scheduler.shares[0] > 0.75
+    tx.flush()
+    on_slow = {int(name[2:8]) for name in os.listdir(paths[2] / "slow" / "proc0000") if name.startswith("sg")}
+    assert on_slow == {k for k, p in enumerate(scheduler.placement) if p == 1}, "old records are removed"
+    tx.close()
+    assert_same_bits(current, reference, "rebalanced")
+
+
+def test_caps_bound_throughput_from_above():
+    traffic = Traffic(max_inflight=4, max_read=20e6, max_write=10e6)
+    start = time.monotonic()
+    for kind, nbytes in (("read", 2_000_000), ("write", 1_000_000), ("read", 2_000_000)):
+        with traffic.transfer(kind, nbytes):
+            pass
+    elapsed = time.monotonic() - start
+    assert elapsed >= 0.3 * 0.98, "4 MB at 20 MB/s plus 1 MB at 10 MB/s take 0.3 s at least"
+    usage = traffic.take_usage()
+    assert (usage.bytes_read, usage.bytes_written) == (4_000_000, 1_000_000)
+    assert usage.busy_seconds >= 0.3 * 0.98
+
+
+def test_in_process_transfers_in_flight_are_limited(tmp_path):
+    traffic = Traffic(max_inflight=2, max_read=50e6, max_write=50e6)
+    import concurrent.futures
+
+    def transfer(_):
+        with traffic.transfer("read", 500_000):
+            time.sleep(0.005)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(transfer, range(18)))
+    events = sorted([(s, 1) for _, s, _ in traffic.intervals] + [(e, -1) for _, _, e in traffic.intervals])
+    active = peak = 0
+    for _, delta in events:
+        active += delta
+        peak = max(peak, active)
+    assert peak == 2
+
+
+def test_probe_measures_through_the_tier_code_and_respects_caps(tmp_path):
+    capped = jax_mlp.Path(tmp_path / "capped", max_read="30MB/s", max_write="15MB/s")
+    result = probe(capped, total_bytes=4 * 1024**2, record_bytes=1024**2)
+    assert 0 < result.read_bandwidth <= 30e6 * 1.05
+    assert 0 < result.write_bandwidth <= 15e6 * 1.05
+    assert not (tmp_path / "capped" / ".jax_mlp_probe").exists()
+
+
+LOCK_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import optax, jax.numpy as jnp, jax_mlp
+    params = {"w": jnp.ones((512, 256), jnp.float32) * (1 + jax.process_index())}
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[3]], subgroup_size="64KiB",
+                             node_lock=sys.argv[4], write_depth=3, prefetch_depth=3)
+    state = tx.init(params)
+    for step in range(3):
+        _, state = tx.update(jax.tree.map(lambda p: p * 0.1 + step, params), state, params)
+    intervals = list(tx.offloader._tiers.paths[0].traffic.intervals)
+    tx.close()
+    print(json.dumps(intervals))
+    """
+)
+
+
+def test_the_node_lock_makes_path_access_exclusive_across_processes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LOCK_CHILD,
+                f"127.0.0.1:{port}",
+                str(i),
+                str(tmp_path / "shared"),
+                str(tmp_path / "locks"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=240)
+        assert child.returncode == 0, err[-3000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(os.listdir(tmp_path / "shared")) == ["proc0000", "proc0001"]
+    first, second = ([(s, e) for _, s, e in intervals] for intervals in outputs)
+    assert len(first) > 10 and len(second) > 10
+    overlaps = [(a, b) for a in first for b in second if a[0] < b[1] and b[0] < a[1]]
+    assert not overlaps, overlaps[:3]
+
+
+def test_plan_and_probe_commands(tmp_path, capsys):
+    from jax_mlp import cli
+
+    assert cli.main(["plan", "--params", "70e9", "--paths", "nvme=5GB/s,pfs=2GB/s", "--host-cache", "256GiB"]) == 0
+    out = capsys.readouterr().out
+    split = model.best_split([PathSpeed("nvme", 5e9, 5e9), PathSpeed("pfs", 2e9, 2e9)])
+    assert f"nvme           {split[0]:.1%}" in out and f"pfs            {split[1]:.1%}" in out
+    assert all(variant.name in out for variant in model.ABLATION)
+
+    assert cli.main(["probe", str(tmp_path / "a"), "--size", "2MiB", "--record", "1MiB"]) == 0
+    assert str(tmp_path / "a") in capsys.readouterr().out
+
+    assert cli.main(["plan", "--params", "1e9", "--paths", "nvme"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("jax-mlp plan: error:") and "NAME=RATE" in error and len(error.splitlines()) == 1
