@@ -89,6 +89,8 @@ class UpdateStats(NamedTuple):
       events: every record read and write, and every subgroup's compute, that counts towards this
         call, as :class:`IOEvent` s timed from its start.
       placement: how many subgroups have their newest stored record on each path, keyed by path.
+      bandwidth: the scheduler's estimate of each path's bandwidth after this call, keyed by path,
+        as ``{"read": bytes/s, "write": bytes/s}``: declared, probed, or measured while running.
     """
 
     step: int
@@ -104,6 +106,7 @@ class UpdateStats(NamedTuple):
     total_compiles: int
     events: tuple[IOEvent, ...] = ()
     placement: Mapping[str, int] = _NO_PLACEMENT
+    bandwidth: Mapping[str, Mapping[str, float]] = MappingProxyType({})
 
     @property
     def paths(self) -> list[str]:
@@ -229,7 +232,8 @@ def log_line(stats: UpdateStats) -> dict[str, Any]:
       stats: the call's statistics.
 
     Returns:
-      ``stats.as_dict()``, plus ``time`` (Unix time of the line), ``paths`` (the paths, in order)
+      ``stats.as_dict()``, plus ``time`` (Unix time of the line), ``paths`` (the paths, in order),
+      ``bandwidth`` (the scheduler's estimate per path, which the report draws throughput against)
       and ``events``: one ``[kind, path index or null, subgroup, start_s, end_s]`` per
       :class:`IOEvent`, times relative to the start of the call.
     """
@@ -238,6 +242,7 @@ def log_line(stats: UpdateStats) -> dict[str, Any]:
     line = stats.as_dict()
     line["time"] = time.time()
     line["paths"] = paths
+    line["bandwidth"] = {path: dict(speeds) for path, speeds in stats.bandwidth.items()}
     line["events"] = [[e.kind, index.get(e.path), e.subgroup, round(e.start, 6), round(e.end, 6)] for e in stats.events]
     return line
 

@@ -537,6 +537,7 @@ class Offloader:
         self._total_compiles += compiles
         started = time.perf_counter() - timings.total - extra_wait
         stored = collections.Counter(self._tiers.locations.values())
+        self._scheduler.observe([path.traffic.take_usage() for path in self._tiers.paths])
         self.last_stats = UpdateStats(
             step=step,
             seconds=timings.total + extra_wait,
@@ -551,9 +552,12 @@ class Offloader:
             total_compiles=self._total_compiles,
             events=counters.events_since(started),
             placement={path.root: stored[i] for i, path in enumerate(self._tiers.paths)},
+            bandwidth={
+                path.root: {"read": speed.read_bandwidth, "write": speed.write_bandwidth}
+                for path, speed in zip(self._tiers.paths, self._scheduler.speeds, strict=True)
+            },
         )
         counters.reset()  # idle-time I/O started below counts towards the next update
-        self._scheduler.observe([path.traffic.take_usage() for path in self._tiers.paths])
         if self.config.flush == "idle":
             self._write_back_dirty()
         if self.config.idle_prefetch:

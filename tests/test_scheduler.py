@@ -245,3 +245,16 @@ def test_plan_and_probe_commands(tmp_path, capsys):
     assert cli.main(["plan", "--params", "1e9", "--paths", "nvme"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("jax-mlp plan: error:") and "NAME=RATE" in error and len(error.splitlines()) == 1
+
+
+def test_stats_carry_bandwidth_estimates_that_respect_the_caps(paths):
+    params = make_params()
+    capped = jax_mlp.Path(paths[1], max_read="20MB/s", max_write="20MB/s")
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0], capped], subgroup_size=SUBGROUP)
+    state = tx.init(params)
+    for step in range(2):
+        _, state = tx.update(grads_at(params, step), state, params)
+        estimate = tx.stats.bandwidth[str(paths[1])]
+        assert 0 < estimate["read"] <= 20e6 * 1.05 and 0 < estimate["write"] <= 20e6 * 1.05
+        assert tx.stats.bandwidth[str(paths[0])]["read"] > 0
+    tx.close()
