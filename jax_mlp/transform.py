@@ -386,19 +386,21 @@ class Offloader:
             leaves = [param_leaves[p.leaf] for p in subgroup.pieces]
             return _EXECUTABLES(_subgroup_init, self._spec(subgroup), leaves, self._starts(subgroup, device))
 
-        compiles = compiles_on_this_thread()
-        # Written in the order of "step -1", so the cache keeps what step 0 updates first.
-        order = self._scheduler.order(-1)
-        timings = self._engine.run(order, lambda _: None, compute, lambda k, out: self._store(k, out, step=0))
-        self._finish(0, timings, compiles)
-        self._engine.wait_background()
-        return 0
+        return self._populate(0, lambda _: None, compute)
 
     def _write_restored_state(self, step: int, load: Callable[[int], tuple]) -> int:
+        return self._populate(step, load, lambda _, loaded: loaded)
+
+    def _populate(self, step: int, fetch: Callable[[int], Any], compute: Callable[[int, Any], tuple]) -> int:
+        """Streams a whole state at ``step`` into the tiers through the pipeline; returns ``step``.
+
+        Records go out in the order of step ``step - 1``, so the cache keeps what step ``step``
+        updates first.
+        """
         compiles = compiles_on_this_thread()
         self.step = step  # the cache and idle-time prefetch started by _finish work at this step
         order = self._scheduler.order(step - 1)
-        timings = self._engine.run(order, load, lambda _, loaded: loaded, lambda k, out: self._store(k, out, step))
+        timings = self._engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step))
         self._finish(step, timings, compiles)
         self._engine.wait_background()
         return step
