@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
@@ -61,3 +63,23 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["dry_run"] and result["transfer"]["pageable_h2d"] > 0
     assert result["update"]["offloaded_over_plain"] > 0 and result["streaming"]["bytes_per_s"] > 0
+
+
+def test_efficiency_benchmark_writes_json_and_png(tmp_path):
+    efficiency = load(ROOT / "benchmarks" / "efficiency.py")
+    result = efficiency.main(["--smoke", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "efficiency.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    raw, update, bound, cached = written["raw"], written["update"], written["bound"], written["cached_vs_optax"]
+    assert raw["mode"] in ("O_DIRECT", efficiency.BUFFERED)
+    assert all(raw[f"{kind}_bytes_per_s"] > 0 for kind in ("read", "write", "both"))
+    assert set(raw["shapes"]) == {"records", "chunks"}
+    assert len(update["updates"]) == 2 and update["median"]["seconds"] > 0
+    assert update["median"]["bytes_read"] > 0 and update["median"]["bytes_written"] > 0
+    parts = ("read_wait_s", "compute_s", "write_wait_s", "python_overhead_s")
+    assert all(sum(split[part] for part in parts) == pytest.approx(split["seconds"]) for split in update["updates"])
+    assert bound["bound_s"] > 0 and bound["ratio"] > 0 and bound["ratio_to_concurrent_bound"] > 0
+    assert cached["optax_median_s"] > 0 and cached["ratio"] > 0 and cached["cpu_ratio"] > 0
+    assert all(split["bytes_read"] == 0 for split in cached["offload_splits"])  # the cache serves every read
+    assert written["checksum"]["used_bytes_per_s"] > 0 and not written["larger_than_ram"]["run"]
+    assert (tmp_path / "efficiency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
