@@ -5,6 +5,7 @@
 
 from jax_mlp.checkpoint import OffloadCheckpointHandler, OffloadRestore, OffloadSave, restore_params, standard_layout
 from jax_mlp.config import OffloadConfig, Path, parse_rate, parse_size
+from jax_mlp.peers import PeerError
 from jax_mlp.stats import UpdateStats
 from jax_mlp.tiers import OffloadError, PathError, RecordError
 from jax_mlp.transform import Offloader, OffloadState, OffloadTransformation, mlp_offload
@@ -20,6 +21,7 @@ __all__ = [
     "Offloader",
     "Path",
     "PathError",
+    "PeerError",
     "RecordError",
     "UpdateStats",
     "mlp_offload",

@@ -171,8 +171,19 @@ def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[_Region, 
     return tuple(regions)
 
 
+def _refuse_sharded(plan: Plan, what: str) -> None:
+    """Raises for a plan with sharded leaves: their regions are shards, which this module does not map yet."""
+    sharded = next((plan.leaves[p.leaf].path for sg in plan.subgroups for p in sg.pieces if p.shard), None)
+    if sharded is not None:
+        raise OffloadError(
+            f"param {sharded} is sharded over several devices; {what} sharded offloaded state is not supported "
+            "in this version. The tiers are crash-consistent on their own: reopen them with resume=True"
+        )
+
+
 def _layout(inner: optax.GradientTransformation, plan: Plan) -> _Layout:
     """The standard layout of ``plan``, and the region of every record field in it."""
+    _refuse_sharded(plan, "checkpoints of")
     tree = standard_layout(inner, _abstract_params(plan), plan.master_dtype)
     path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = tuple(jax.tree_util.keystr(path) for path, _ in path_leaves)
@@ -516,6 +527,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
             "this mlp_offload keeps no master params (master_dtype=None), so the tiers cannot give the params back; "
             "restore them from a checkpoint"
         )
+    _refuse_sharded(plan, "restore_params of")
     likes = _check_like(plan, params_like)
     values: list[Any] = [None] * len(plan.leaves)
 

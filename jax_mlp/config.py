@@ -160,6 +160,8 @@ class OffloadConfig:
       write_depth: how many subgroups may be in flight to the paths behind the update.
       master_dtype: dtype of a master copy of the params kept in the tiers, or None.
       io_timeout: seconds after which a single read or write counts as hung and raises.
+      peer_timeout: with several ``jax.distributed`` processes, seconds an update waits for the
+        slowest peer to finish the same step before it raises (a peer died or hangs).
       order: ``"alternate"`` (ascending, then descending: the cache-friendly order) or ``"ascending"``.
       flush: ``"idle"`` writes dirty cached records back between updates; ``"lazy"`` only at eviction,
         ``flush()``, checkpoint or close (the paper's behaviour).
@@ -180,6 +182,7 @@ class OffloadConfig:
     write_depth: int = 2
     master_dtype: Any = None
     io_timeout: float = 600.0
+    peer_timeout: float = 600.0
     order: str = "alternate"
     flush: str = "idle"
     placement: str = "bandwidth"
@@ -213,8 +216,9 @@ class OffloadConfig:
         for name in ("prefetch_depth", "write_depth", "max_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.io_timeout <= 0:
-            raise ValueError(f"io_timeout must be positive, got {self.io_timeout}")
+        for name in ("io_timeout", "peer_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.master_dtype is not None and not jnp.issubdtype(self.master_dtype, jnp.floating):
             raise ValueError(f"master_dtype must be a floating dtype such as jnp.float32, got {self.master_dtype}")
 

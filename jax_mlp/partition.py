@@ -1,7 +1,8 @@
-"""The plan: which leaves (or row chunks of leaves) make up each subgroup, and each record's layout.
+"""The plan: which leaves, local shards or row chunks make up each subgroup, and each record's layout.
 
-A subgroup is a set of *pieces*: whole leaves, or row chunks along axis 0 of a leaf larger than the
-subgroup size. Its *view* is the user's full tree with ``None`` in place of every leaf outside the
+A subgroup is a set of *pieces*: whole leaves, the shards of a sharded leaf that this process owns,
+or row chunks along axis 0 of either when larger than the subgroup size. A subgroup's pieces all live
+on one device, where its update runs. Its *view* is the user's full tree with ``None`` in place of every leaf outside the
 subgroup, so masks and per-leaf optimizers see the tree they were written for. The inner optimizer's
 state for a view is exactly ``inner.init(view)``; its flattened leaves (plus master params, if any)
 are laid out back to back, 64-byte aligned, in the subgroup's record payload.
@@ -29,11 +30,31 @@ class LeafSpec(NamedTuple):
     dtype: np.dtype
 
 
+class Shard(NamedTuple):
+    """The block of a sharded leaf that one device of this process holds, stores and updates."""
+
+    box: tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the leaf's coordinates
+    device: int  # the jax device id
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.box)
+
+
 class Piece(NamedTuple):
-    """A whole leaf (``rows is None``) or rows ``[start, stop)`` along axis 0 of a leaf."""
+    """A leaf's data for one update: the whole leaf, or its ``shard``; all of it, or ``rows``.
+
+    ``rows`` is ``[start, stop)`` along axis 0 of the shard (or of the leaf when not sharded).
+    """
 
     leaf: int
     rows: tuple[int, int] | None = None
+    shard: Shard | None = None
+
+    @property
+    def device(self) -> int | None:
+        """The device id the piece lives on, or None for a leaf on a single device."""
+        return None if self.shard is None else self.shard.device
 
 
 class Field(NamedTuple):
@@ -82,9 +103,38 @@ class Plan(NamedTuple):
 
 def piece_shape(spec: LeafSpec, piece: Piece) -> tuple[int, ...]:
     """The shape of a piece of the leaf ``spec``."""
+    shape = spec.shape if piece.shard is None else piece.shard.shape
     if piece.rows is None:
-        return spec.shape
-    return (piece.rows[1] - piece.rows[0], *spec.shape[1:])
+        return shape
+    return (piece.rows[1] - piece.rows[0], *shape[1:])
+
+
+def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's ``index`` (slices, as jax gives them) as ``[start, stop)`` per dimension."""
+    return tuple((sl.start or 0, size if sl.stop is None else sl.stop) for sl, size in zip(index, shape, strict=True))
+
+
+def _lowest_replicas(shards: Sequence[Any], shape: tuple[int, ...]) -> dict[tuple, Any]:
+    """Of the given shards of a leaf, the one with the lowest ``replica_id`` per box."""
+    owners: dict[tuple, Any] = {}
+    for shard in shards:
+        box = shard_box(shard.index, shape)
+        if box not in owners or shard.replica_id < owners[box].replica_id:
+            owners[box] = shard
+    return owners
+
+
+def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
+    """The shards of ``leaf`` this process stores and updates, or None for a leaf on one device.
+
+    Of the replicas of a block held by this process's devices, the one with the lowest
+    ``replica_id`` owns it; the others receive its update. A block replicated on other processes is
+    owned there too: each process updates the blocks it holds, so no update waits on a peer.
+    """
+    if not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) == 1:
+        return None
+    owners = _lowest_replicas(leaf.addressable_shards, leaf.shape)
+    return tuple(Shard(box, shard.device.id) for box, shard in sorted(owners.items(), key=lambda kv: kv[1].device.id))
 
 
 def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values: Sequence[Any]) -> Any:
@@ -122,7 +172,7 @@ def _layout(state_shapes: Any, master_shapes: Sequence[Any]) -> RecordLayout:
 
 
 class _Estimator:
-    """Per-leaf bytes of optimizer state, from ``inner.init`` on one-leaf views (shapes only)."""
+    """Per-piece bytes of optimizer state, from ``inner.init`` on one-piece views (shapes only)."""
 
     def __init__(self, inner: optax.GradientTransformation, treedef: Any, specs: Sequence[LeafSpec], master_dtype):
         self._inner, self._treedef, self._specs, self._master_dtype = inner, treedef, specs, master_dtype
@@ -134,37 +184,55 @@ class _Estimator:
         view = view_of(self._treedef, len(self._specs), pieces, values)
         return _tree_nbytes(jax.eval_shape(self._inner.init, view))
 
-    def leaf_nbytes(self, index: int) -> int:
-        spec = self._specs[index]
-        signature = (spec.shape, spec.dtype)
+    def piece_nbytes(self, piece: Piece) -> int:
+        """Bytes of state (and master) of a whole piece; pieces of one shape share the estimate."""
+        spec = self._specs[piece.leaf]
+        shape = piece_shape(spec, piece)
+        signature = (shape, spec.dtype)
         if signature not in self._by_signature:
-            self._by_signature[signature] = self._state_nbytes([Piece(index)]) - self._base
-        master = math.prod(spec.shape) * self._master_dtype.itemsize if self._master_dtype else 0
+            self._by_signature[signature] = self._state_nbytes([piece]) - self._base
+        master = math.prod(shape) * self._master_dtype.itemsize if self._master_dtype else 0
         return self._by_signature[signature] + master
 
 
-def _group_pieces(specs: Sequence[LeafSpec], estimator: _Estimator, subgroup_size: int) -> list[list[Piece]]:
-    """Greedy packing in tree order; a leaf above ``subgroup_size`` is cut into row chunks."""
+def _whole_pieces(shards: Sequence[tuple[Shard, ...] | None]) -> list[Piece]:
+    """Every leaf, or every owned shard of a sharded leaf, grouped by device (leaves on one device first)."""
+    pieces = [
+        Piece(index) if leaf_shards is None else Piece(index, shard=shard)
+        for index, leaf_shards in enumerate(shards)
+        for shard in (leaf_shards or [None])
+    ]
+    return sorted(pieces, key=lambda p: -1 if p.device is None else p.device)
+
+
+def _group_pieces(
+    specs: Sequence[LeafSpec], pieces: Sequence[Piece], estimator: _Estimator, subgroup_size: int
+) -> list[list[Piece]]:
+    """Greedy packing in order, never mixing devices; a piece above ``subgroup_size`` is cut into row chunks."""
     groups: list[list[Piece]] = []
     current: list[Piece] = []
     current_bytes = 0
-    for index, spec in enumerate(specs):
-        nbytes = estimator.leaf_nbytes(index)
-        rows = spec.shape[0] if spec.shape else 1
+    for whole in pieces:
+        if current and current[0].device != whole.device:
+            groups.append(current)
+            current, current_bytes = [], 0
+        nbytes = estimator.piece_nbytes(whole)
+        shape = piece_shape(specs[whole.leaf], whole)
+        rows = shape[0] if shape else 1
         if nbytes > subgroup_size and rows > 1:
             if current:
                 groups.append(current)
             rows_per_chunk = max(1, subgroup_size * rows // nbytes)
             starts = range(0, rows, rows_per_chunk)
-            groups.extend([[Piece(index, (s, min(s + rows_per_chunk, rows)))] for s in starts][:-1])
+            groups.extend([[whole._replace(rows=(s, min(s + rows_per_chunk, rows)))] for s in starts][:-1])
             last_start = starts[-1]
-            current = [Piece(index, (last_start, rows))]
+            current = [whole._replace(rows=(last_start, rows))]
             current_bytes = nbytes * (rows - last_start) // rows
             continue
         if current and current_bytes + nbytes > subgroup_size:
             groups.append(current)
             current, current_bytes = [], 0
-        current.append(Piece(index))
+        current.append(whole)
         current_bytes += nbytes
     if current:
         groups.append(current)
@@ -189,6 +257,7 @@ def make_plan(
     inner: optax.GradientTransformation,
     subgroup_size: int,
     master_dtype: np.dtype | None = None,
+    shards: Sequence[tuple[Shard, ...] | None] | None = None,
 ) -> Plan:
     """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
 
@@ -199,6 +268,8 @@ def make_plan(
       inner: the element-wise optax optimizer whose state is offloaded.
       subgroup_size: target bytes of optimizer state plus master params per subgroup.
       master_dtype: dtype of the master params stored with the state, or None for no master copy.
+      shards: per leaf, the shards this process owns (see :func:`owned_shards`), or None for a leaf
+        on one device; None for no sharded leaves.
 
     Returns:
       The plan, with each subgroup's record layout and a hash identifying the whole layout.
@@ -208,8 +279,9 @@ def make_plan(
         LeafSpec(jax.tree_util.keystr(path), tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in path_leaves
     )
     estimator = _Estimator(inner, treedef, specs, master_dtype)
+    whole = _whole_pieces(shards or [None] * len(specs))
     subgroups = []
-    for index, pieces in enumerate(_group_pieces(specs, estimator, subgroup_size)):
+    for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size)):
         state_pieces = _abstract_pieces(specs, pieces, master_dtype)
         view = view_of(treedef, len(specs), pieces, state_pieces)
         state_shapes = jax.eval_shape(inner.init, view)

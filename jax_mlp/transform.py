@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import itertools
+import json
 import logging
 import os
 import sys
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlp import partition
+from jax_mlp import in_jit, partition, peers
 from jax_mlp.config import OffloadConfig, Path, parse_rate
 from jax_mlp.engine import Engine, Timings
 from jax_mlp.model import PathSpeed
@@ -45,6 +47,7 @@ from jax_mlp.tiers import (
 )
 
 _RUN_FORMAT = 1
+_INSTANCES = itertools.count()  # names this process's offloaders alike in every process, for barriers
 logger = logging.getLogger(__name__)
 
 
@@ -68,16 +71,51 @@ def _as_arrays(tree: Any) -> Any:
 
 
 def _check_supported(params: Any) -> None:
-    """Refuses what this version cannot offload: an empty tree, leaves sharded over several devices."""
-    path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    if not path_leaves:
+    """Refuses a tree with no leaves: there would be nothing to offload."""
+    if not jax.tree_util.tree_leaves(params):
         raise ValueError("params has no leaves: there is no optimizer state to offload")
-    for path, leaf in path_leaves:
-        if isinstance(leaf, jax.Array) and len(leaf.devices()) > 1:
-            raise ValueError(
-                f"param {jax.tree_util.keystr(path)} spans {len(leaf.devices())} devices; this version of "
-                "mlp_offload handles params on a single device: put them on one device"
-            )
+
+
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
+    """The sharding of a leaf spread over several devices, or None for a leaf on one device."""
+    if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
+        return leaf.sharding
+    return None
+
+
+def _blocks_by_device(leaves: Sequence[jax.Array], shardings: Sequence[Any]) -> list[dict[int | None, jax.Array]]:
+    """Per leaf, its data on each device that holds a block of it (``None``: a leaf on one device).
+
+    A leaf that arrives with another sharding than at ``init`` is first resharded to that one, shard
+    to shard, so each block is found on the device that owns its state.
+    """
+    blocks = []
+    for leaf, sharding in zip(leaves, shardings, strict=True):
+        if sharding is None:
+            blocks.append({None: leaf})
+            continue
+        if not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+            leaf = jax.device_put(leaf, sharding)
+        blocks.append({shard.device.id: shard.data for shard in leaf.addressable_shards})
+    return blocks
+
+
+def _assemble(shape: tuple[int, ...], sharding: jax.sharding.Sharding, owned: dict[tuple, jax.Array]) -> jax.Array:
+    """A sharded leaf's updates from the owners' blocks; replicas get a device-to-device copy.
+
+    Args:
+      shape: the leaf's global shape.
+      sharding: the leaf's sharding, as at ``init``.
+      owned: each owned block's update, by its box (see :func:`partition.shard_box`).
+
+    Returns:
+      A ``jax.Array`` with ``sharding``; no device ever holds more than its own block.
+    """
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        block = owned[partition.shard_box(index, shape)]
+        arrays.append(block if block.devices() == {device} else jax.device_put(block, device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 _DEFAULT_BANDWIDTH = 1e9
@@ -102,21 +140,21 @@ def _is_tracer(tree: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _placement(leaves: Sequence[jax.Array]) -> jax.Device | None:
-    """Where subgroups go: the device of a committed input, or None to stay uncommitted.
+def _placement(leaves: Sequence[jax.Array], shardings: Sequence[Any]) -> jax.Device | None:
+    """Where subgroups of leaves on one device go: that device if committed, else None (uncommitted).
 
     Uncommitted inputs give uncommitted updates, so the user's params keep their commitment and
-    their jitted step does not recompile.
+    their jitted step does not recompile. Subgroups of sharded leaves run where their shards are.
     """
-    first = leaves[0]
-    return next(iter(first.devices())) if first.committed else None
+    first = next((x for x, sharding in zip(leaves, shardings, strict=True) if sharding is None), None)
+    return next(iter(first.devices())) if first is not None and first.committed else None
 
 
 class _SubgroupSpec(NamedTuple):
     """Everything a subgroup's computation depends on besides its input arrays (a jit static arg).
 
-    Pieces are normalised to start at row 0 (the real start is a traced argument), so the chunks of
-    one leaf share a compilation.
+    Pieces are normalised to start at row 0 (the real start is a traced argument) and lose their
+    shard (their arrays are the shard's block), so the chunks of one leaf share a compilation.
     """
 
     inner: optax.GradientTransformation
@@ -130,7 +168,7 @@ class _SubgroupSpec(NamedTuple):
     @classmethod
     def of(cls, inner: optax.GradientTransformation, plan: Plan, subgroup: Subgroup) -> _SubgroupSpec:
         pieces = tuple(
-            p if p.rows is None else partition.Piece(p.leaf, (0, p.rows[1] - p.rows[0])) for p in subgroup.pieces
+            partition.Piece(p.leaf, None if p.rows is None else (0, p.rows[1] - p.rows[0])) for p in subgroup.pieces
         )
         dtypes = tuple(plan.master_dtype or plan.leaves[p.leaf].dtype for p in pieces)
         return cls(
@@ -163,7 +201,8 @@ class _Executables:
     def __call__(self, function: Any, spec: _SubgroupSpec, *args: Any) -> Any:
         """Runs ``function(spec, *args)`` through a shared executable."""
         leaves, structure = jax.tree_util.tree_flatten(args)
-        signature = (spec, structure, tuple((x.shape, x.dtype) for x in leaves))
+        # An executable runs only on the device it was compiled for.
+        signature = (spec, structure, leaves[0].sharding, tuple((x.shape, x.dtype) for x in leaves))
         executable = self._by_signature.get(signature)
         if executable is None:
             lowered = function.lower(spec, *args)
@@ -242,6 +281,20 @@ def _subgroup_update(
     return outputs, jax.tree_util.tree_leaves(new_state), new_master
 
 
+class _Step:
+    """One update in progress: what to restore if it fails, and what it has measured so far."""
+
+    def __init__(self, step: int, prefetched: dict, locations: dict, moved: list, background_wait: float):
+        self.step, self.prefetched, self.locations, self.moved = step, prefetched, locations, moved
+        self.background_wait = background_wait
+        self.timings = Timings(0.0, 0.0, 0.0, 0.0)
+        self.compiles = 0
+
+    def add(self, timings: Timings, compiles: int) -> None:
+        self.timings = Timings(*(a + b for a, b in zip(self.timings, timings, strict=True)))
+        self.compiles += compiles
+
+
 class Offloader:
     """The live object behind ``mlp_offload``: plan, tiers, engine and compiled functions.
 
@@ -265,6 +318,12 @@ class Offloader:
         self.step = 0
         self.last_stats: UpdateStats | None = None
         self._specs: dict[int, _SubgroupSpec] = {}
+        self._shardings: list[jax.sharding.Sharding | None] = []
+        self._shards: list[tuple[partition.Shard, ...] | None] = []
+        self._devices = {device.id: device for device in jax.devices()}
+        self._jit_layout: in_jit.JitLayout | Exception | None = None
+        self._jit_failure: str | None = None
+        self._run_key = f"jax_mlp/{next(_INSTANCES)}"
         self._prefetched: dict[int, Future] = {}
         self._total_compiles = 0
         self._tiers: TierStack | None = None
@@ -363,12 +422,23 @@ class Offloader:
         self._check_open()
         params = _as_arrays(params)
         _check_supported(params)
-        self.plan = partition.make_plan(params, self.inner, self.config.subgroup_size, self.config.master_dtype)
+        leaves = jax.tree_util.tree_leaves(params)
+        self._shardings = [_sharding_of(x) for x in leaves]
+        self._shards = [partition.owned_shards(x) for x in leaves]
+        self.plan = partition.make_plan(
+            params, self.inner, self.config.subgroup_size, self.config.master_dtype, self._shards
+        )
+        try:
+            self._jit_layout = in_jit.jit_layout([spec.path for spec in self.plan.leaves], leaves)
+        except ValueError as error:  # raised only if update is ever traced inside jit
+            self._jit_layout = error
         try:
             self._open_tiers()
             self.step = populate()
             for path in self._tiers.paths:
                 path.write_run_file(self._run_identity())
+            if jax.process_count() > 1:
+                peers.barrier(f"{self._run_key}/init", self.config.peer_timeout, "the end of init")
         except BaseException:
             if self._engine is not None:
                 self._engine.close()
@@ -379,12 +449,14 @@ class Offloader:
     def _write_initial_state(self, params: Any) -> int:
         plan = self.plan
         param_leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
-        device = _placement(param_leaves)
+        device = _placement(param_leaves, self._shardings)
+        blocks = _blocks_by_device(param_leaves, self._shardings)
 
         def compute(index: int, _: None) -> tuple:
             subgroup = plan.subgroups[index]
-            leaves = [param_leaves[p.leaf] for p in subgroup.pieces]
-            return _EXECUTABLES(_subgroup_init, self._spec(subgroup), leaves, self._starts(subgroup, device))
+            leaves = [blocks[p.leaf][p.device] for p in subgroup.pieces]
+            starts = self._starts(subgroup, self._device_of(subgroup, device))
+            return _EXECUTABLES(_subgroup_init, self._spec(subgroup), leaves, starts)
 
         return self._populate(0, lambda _: None, compute)
 
@@ -401,12 +473,16 @@ class Offloader:
         self.step = step  # the cache and idle-time prefetch started by _finish work at this step
         order = self._scheduler.order(step - 1)
         timings = self._engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step))
-        self._finish(step, timings, compiles)
+        self._finish(step, timings, compiles_on_this_thread() - compiles)
         self._engine.wait_background()
         return step
 
     def _find_last_complete_step(self) -> int:
-        """The highest step at which every subgroup has a verified record on some path."""
+        """The highest step at which every subgroup has a verified record on some path.
+
+        With several processes, the highest such step that every process has: a process that
+        finished one more update than a dead peer resumes one step back, from its other slot.
+        """
         plan, tiers = self.plan, self._tiers
         found: dict[int, dict[int, int]] = {}
 
@@ -421,6 +497,11 @@ class Offloader:
 
         self._engine.run(range(len(plan.subgroups)), scan, found.__setitem__, lambda *_: None)
         common = set.intersection(*(set(steps) for steps in found.values()))
+        if jax.process_count() > 1:
+            published = peers.all_values(
+                f"{self._run_key}/resume", json.dumps(sorted(common)), self.config.peer_timeout, "resume"
+            )
+            common = common.intersection(*(json.loads(value) for value in published))
         if not common:
             raise RecordError(
                 f"no step has a complete, verified record of every subgroup on paths {list(self.config.paths)}; "
@@ -516,6 +597,11 @@ class Offloader:
             spec = self._specs[subgroup.index] = _SubgroupSpec.of(self.inner, self.plan, subgroup)
         return spec
 
+    def _device_of(self, subgroup: Subgroup, placement: jax.Device | None) -> jax.Device | None:
+        """The device a subgroup's update runs on: its shards' device, or ``placement`` for whole leaves."""
+        device_id = subgroup.pieces[0].device
+        return placement if device_id is None else self._devices[device_id]
+
     def _starts(self, subgroup: Subgroup, device: jax.Device | None) -> list:
         return [jax.device_put(np.int32(0 if p.rows is None else p.rows[0]), device) for p in subgroup.pieces]
 
@@ -533,9 +619,8 @@ class Offloader:
         seal(record, step, self.plan.layout_hash)
         self._tiers.store(index, record, step)
 
-    def _finish(self, step: int, timings: Timings, compiles_before: int, extra_wait: float = 0.0) -> None:
+    def _finish(self, step: int, timings: Timings, compiles: int, extra_wait: float = 0.0) -> None:
         counters = self._counters
-        compiles = compiles_on_this_thread() - compiles_before
         self._total_compiles += compiles
         started = time.perf_counter() - timings.total - extra_wait
         stored = collections.Counter(self._tiers.locations.values())
@@ -583,6 +668,19 @@ class Offloader:
         for subgroup, entry in self._tiers.cache.dirty():
             self._engine.submit_background(self._tiers.write_back, subgroup, entry)
 
+    def _leaf_updates(self, results: dict[tuple[int, int | None], jax.Array]) -> list[jax.Array]:
+        """Each leaf's update: its one block, or its owned blocks assembled with the leaf's sharding."""
+        leaves = []
+        for index, (spec, sharding, shards) in enumerate(
+            zip(self.plan.leaves, self._shardings, self._shards, strict=True)
+        ):
+            if sharding is None:
+                leaves.append(results[index, None])
+            else:
+                owned = {shard.box: results[index, shard.device] for shard in shards}
+                leaves.append(_assemble(spec.shape, sharding, owned))
+        return leaves
+
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, OffloadState):
             raise TypeError(
@@ -591,7 +689,8 @@ class Offloader:
         if self.plan is None:
             raise OffloadError("mlp_offload.update was called before init")
         self._check_open()
-        step = int(state.step)
+
+    def _check_step(self, step: int) -> None:
         if step != self.step:
             raise OffloadError(
                 f"the opt_state passed to update is at step {step}, but the offloaded state is at step {self.step}; "
@@ -632,83 +731,190 @@ class Offloader:
             leaves.append(jnp.asarray(leaf))
         return leaves
 
-    def update(
-        self, updates: Any, state: OffloadState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, OffloadState]:
-        """Streams every subgroup's state through the device and returns the inner optimizer's updates."""
-        del extra_args
-        if _is_tracer((updates, state, params)):
-            raise OffloadError(
-                "mlp_offload's update was called inside jax.jit (or another transformation). Split the train "
-                "step: jit the loss and gradient computation, then call tx.update(grads, opt_state, params) "
-                "and optax.apply_updates outside jit. See docs/usage.md"
-            )
-        self._check_state(state)
-        plan = self.plan
+    def _check_inputs(self, updates: Any, params: Any) -> tuple[list, list | None]:
+        """The grad and param leaves, checked against the plan (concrete arrays or tracers)."""
         updates, params = _as_arrays(updates), _as_arrays(params)
         grads = self._check_tree(updates, "grads", check_dtype=False)
-        if params is None and plan.master_dtype is not None:
+        if params is None and self.plan.master_dtype is not None:
             raise ValueError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
-        param_leaves = None if params is None else self._check_tree(params, "params", check_dtype=True)
-        device = _placement(grads)
-        out_dtype = [np.dtype(plan.master_dtype) if plan.master_dtype is not None else s.dtype for s in plan.leaves]
-        accumulators: dict[int, jax.Array] = {}
-        results: dict[int, jax.Array] = {}
-        step = self.step
+        return grads, None if params is None else self._check_tree(params, "params", check_dtype=True)
 
-        compiles = compiles_on_this_thread()
+    def _out_dtype(self, leaf: int) -> np.dtype:
+        """The dtype of a leaf's updates: the master dtype if there is one, else the param's."""
+        master = self.plan.master_dtype
+        return np.dtype(master) if master is not None else self.plan.leaves[leaf].dtype
+
+    def _begin_step(self) -> _Step:
+        """Settles idle-time I/O and remembers what to restore if the update fails."""
         background_wait = self._engine.wait_background()
         if self.config.flush == "idle":
             self._tiers.drop_moved()
         prefetched, self._prefetched = self._prefetched, {}
+        tiers = self._tiers
+        return _Step(self.step, prefetched, dict(tiers.locations), list(tiers.moved), background_wait)
+
+    def _abort_step(self, run: _Step) -> None:
+        """Step ``run.step`` is intact in the other slot: forgets every trace of the unfinished one."""
+        self._tiers.cache.discard_unless_step(run.step)
+        self._tiers.locations, self._tiers.moved = run.locations, run.moved
+        self._engine.settle(run.prefetched.values())
+
+    def _stream(
+        self,
+        run: _Step,
+        order: Sequence[int],
+        grad_of: Callable[[partition.Piece], jax.Array],
+        param_of: Callable[[partition.Piece], jax.Array] | None,
+        device_of: Callable[[Subgroup], jax.Device | None],
+        *,
+        in_callback: bool = False,
+    ) -> dict[tuple[int, int | None], jax.Array]:
+        """Streams the subgroups in ``order`` through their devices, storing their step ``run.step + 1``.
+
+        Args:
+          run: the update in progress; its timings and compile count grow.
+          order: the subgroups to update, in order.
+          grad_of: a piece's gradient block (the whole leaf, or its shard).
+          param_of: the same for params, or None when the update needs no params.
+          device_of: where a subgroup's update runs.
+          in_callback: streaming inside a device's host callback. A CPU device then runs only work
+            that its callback's own thread puts on it and waits for: transfers and results stay on
+            this thread.
+
+        Returns:
+          Each piece's update block, by (leaf, device id).
+        """
+        plan, step = self.plan, run.step
+        accumulators: dict[tuple[int, int | None], jax.Array] = {}
+        results: dict[tuple[int, int | None], jax.Array] = {}
 
         def fetch(index: int) -> list:
             subgroup = plan.subgroups[index]
-            early = prefetched.pop(index, None)
+            early = run.prefetched.pop(index, None)
             if early is not None:
                 payload = self._engine.result(early, f"reading subgroup {index} ahead")
             else:
                 payload = self._tiers.fetch(index, step)
-            state_leaves, master_leaves = partition.unpack(subgroup.layout, payload)
-            return jax.device_put((state_leaves, master_leaves), device)
+            fields = partition.unpack(subgroup.layout, payload)
+            return fields if in_callback else jax.device_put(fields, device_of(subgroup))
 
         def compute(index: int, fetched: list) -> tuple:
             started = time.perf_counter()
             subgroup = plan.subgroups[index]
-            state_leaves, master_leaves = fetched
+            device = device_of(subgroup)
+            state_leaves, master_leaves = jax.device_put(fetched, device) if in_callback else fetched
             for p in subgroup.pieces:
-                if p.rows is not None and p.leaf not in accumulators:
-                    accumulators[p.leaf] = jnp.zeros(plan.leaves[p.leaf].shape, out_dtype[p.leaf], device=device)
+                if p.rows is not None and (p.leaf, p.device) not in accumulators:
+                    block_shape = partition.piece_shape(plan.leaves[p.leaf], p._replace(rows=None))
+                    accumulators[p.leaf, p.device] = jnp.zeros(block_shape, self._out_dtype(p.leaf), device=device)
             args = (
-                [grads[p.leaf] for p in subgroup.pieces],
-                None if param_leaves is None else [param_leaves[p.leaf] for p in subgroup.pieces],
+                [grad_of(p) for p in subgroup.pieces],
+                None if param_of is None else [param_of(p) for p in subgroup.pieces],
                 self._starts(subgroup, device),
                 state_leaves,
                 master_leaves,
-                [accumulators.get(p.leaf) if p.rows is not None else None for p in subgroup.pieces],
+                [accumulators.get((p.leaf, p.device)) if p.rows is not None else None for p in subgroup.pieces],
             )
             outputs, new_state, new_master = _EXECUTABLES(_subgroup_update, self._spec(subgroup), *args)
             for p, out in zip(subgroup.pieces, outputs, strict=True):
-                (accumulators if p.rows is not None else results)[p.leaf] = out
+                (accumulators if p.rows is not None else results)[p.leaf, p.device] = out
             self._counters.event("compute", None, index, started)
-            return new_state, new_master
+            return jax.device_get((new_state, new_master)) if in_callback else (new_state, new_master)
 
-        locations, moved = dict(self._tiers.locations), list(self._tiers.moved)
+        compiles = compiles_on_this_thread()
         try:
-            timings = self._engine.run(
-                self._scheduler.order(step), fetch, compute, lambda k, out: self._store(k, out, step + 1)
-            )
+            timings = self._engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step + 1))
         except BaseException:
-            # Step ``step`` is intact in the other slot: forget every trace of the unfinished one.
-            self._tiers.cache.discard_unless_step(step)
-            self._tiers.locations, self._tiers.moved = locations, moved
-            self._engine.settle(prefetched.values())
+            self._abort_step(run)
             raise
+        run.add(timings, compiles_on_this_thread() - compiles)
         results.update(accumulators)
-        self.step = step + 1
-        self._finish(self.step, timings, compiles, background_wait)
-        new_updates = jax.tree_util.tree_unflatten(plan.treedef, [results[i] for i in range(len(plan.leaves))])
+        return results
+
+    def _end_step(self, run: _Step) -> None:
+        self.step = run.step + 1
+        self._finish(self.step, run.timings, run.compiles, run.background_wait)
+        if jax.process_count() > 1:
+            what = f"the end of update step {self.step}"
+            peers.barrier(f"{self._run_key}/update/{self.step}", self.config.peer_timeout, what)
+
+    def update(
+        self, updates: Any, state: OffloadState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, OffloadState]:
+        """Streams every subgroup's state through the device and returns the inner optimizer's updates.
+
+        Called inside ``jax.jit``, it traces the in-jit route instead (see :mod:`jax_mlp.in_jit`).
+        """
+        del extra_args
+        if _is_tracer((updates, state, params)):
+            return self._update_traced(updates, state, params)
+        self._check_state(state)
+        self._check_step(int(state.step))
+        grads, param_leaves = self._check_inputs(updates, params)
+        placement = _placement(grads, self._shardings)
+        grad_blocks = _blocks_by_device(grads, self._shardings)
+        param_blocks = None if param_leaves is None else _blocks_by_device(param_leaves, self._shardings)
+        run = self._begin_step()
+        results = self._stream(
+            run,
+            self._scheduler.order(run.step),
+            lambda p: grad_blocks[p.leaf][p.device],
+            None if param_blocks is None else lambda p: param_blocks[p.leaf][p.device],
+            lambda subgroup: self._device_of(subgroup, placement),
+        )
+        self._end_step(run)
+        new_updates = jax.tree_util.tree_unflatten(self.plan.treedef, self._leaf_updates(results))
         return new_updates, OffloadState(jnp.asarray(self.step, jnp.int32))
+
+    # ----------------------------------------------------------------------------- in-jit route
+
+    def _update_traced(self, updates: Any, state: Any, params: Any) -> tuple[Any, OffloadState]:
+        """Traces ``update`` as one host callback per device (see :mod:`jax_mlp.in_jit`)."""
+        self._check_state(state)
+        grads, param_leaves = self._check_inputs(updates, params)
+        if isinstance(self._jit_layout, Exception):
+            raise self._jit_layout
+        layout = self._jit_layout
+        out_blocks = [jax.ShapeDtypeStruct(spec.shape, self._out_dtype(i)) for i, spec in enumerate(self.plan.leaves)]
+        leaves = in_jit.host_update(layout, self._update_on_host, grads, param_leaves, state.step, out_blocks)
+        return jax.tree_util.tree_unflatten(self.plan.treedef, leaves), OffloadState(state.step + 1)
+
+    def _update_on_host(self, step: np.ndarray, *blocks: np.ndarray) -> list[np.ndarray]:
+        """Host callback: the whole update, on the host CPU backend, with the grads (and params) given.
+
+        An error leaves step ``step`` intact and this offloader refusing further in-jit updates
+        (the jitted caller cannot roll back with it): close it and reopen with ``resume=True``.
+        """
+        if self._jit_failure is not None:
+            raise OffloadError(
+                f"an earlier in-jit update of this mlp_offload failed ({self._jit_failure}); its step is intact "
+                "on storage: close this mlp_offload and create it again with resume=True"
+            )
+        n = len(self.plan.leaves)
+        try:
+            self._check_step(int(step))
+            host = self._host_device()
+            grads = [jax.device_put(b, host) for b in blocks[:n]]
+            params = [jax.device_put(b, host) for b in blocks[n:]] or None
+            run = self._begin_step()
+            results = self._stream(
+                run,
+                self._scheduler.order(run.step),
+                lambda p: grads[p.leaf],
+                None if params is None else lambda p: params[p.leaf],
+                lambda _: host,
+                in_callback=True,
+            )
+            self._end_step(run)
+        except BaseException as error:
+            self._jit_failure = f"{type(error).__name__}: {error}"
+            raise
+        return [np.asarray(results[index, None]) for index in range(n)]  # this thread waits: see _stream
+
+    def _host_device(self) -> jax.Device:
+        """Where the in-jit update runs: the params' device if it is a CPU, else the first CPU device."""
+        device = self._jit_layout.device
+        return device if device.platform == "cpu" else jax.devices("cpu")[0]
 
 
 class OffloadTransformation(optax.GradientTransformationExtraArgs):
@@ -752,6 +958,7 @@ def mlp_offload(
     master_dtype: Any = None,
     resume: bool = False,
     io_timeout: float = 600.0,
+    peer_timeout: float = 600.0,
     order: str = "alternate",
     flush: str = "idle",
     placement: str = "bandwidth",
@@ -782,6 +989,8 @@ def mlp_offload(
         in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly ``master.astype(params.dtype)``.
       resume: reopen the tiers at their last complete step instead of writing a fresh initial state.
       io_timeout: seconds a single record read or write may take before the update fails.
+      peer_timeout: with several ``jax.distributed`` processes, seconds an update (or ``init``)
+        waits for every peer to finish the same step; past it, the update raises: a peer died or hangs.
       order: ``"alternate"`` (cache-friendly: ascending, then descending) or ``"ascending"``.
       flush: ``"idle"`` writes dirty cached records back between updates, so the paths always hold a
         complete step; ``"lazy"`` writes them only at eviction, ``flush()``, checkpoint or close.
@@ -810,6 +1019,7 @@ def mlp_offload(
         write_depth=write_depth,
         master_dtype=master_dtype,
         io_timeout=io_timeout,
+        peer_timeout=peer_timeout,
         order=order,
         flush=flush,
         placement=placement,

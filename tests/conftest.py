@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Eight fake CPU devices for the sharding tests, unless a child process asked for another count; set
+# before jax starts its backend. Other tests use device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -21,18 +21,26 @@ class MLP(nnx.Module):
         return self.out(nnx.gelu(self.norm(self.hidden(x))))
 
 
-def train(tx, steps: int = 12):
+def train(tx, steps: int = 12, *, update_in_jit: bool = False):
+    """Trains the MLP with ``nnx.Optimizer``: the update outside ``nnx.jit``, or inside it."""
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 8))
     y = jnp.sum(jnp.sin(x), axis=1, keepdims=True)
 
-    @nnx.jit
     def grads_of(model):
         return nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
 
-    for _ in range(steps):
+    @nnx.jit
+    def train_step(model, optimizer):
         optimizer.update(model, grads_of(model))
+
+    jitted_grads = nnx.jit(grads_of)
+    for _ in range(steps):
+        if update_in_jit:
+            train_step(model, optimizer)
+        else:
+            optimizer.update(model, jitted_grads(model))
     return nnx.state(model, nnx.Param)
 
 

@@ -1,0 +1,161 @@
+"""Two real ``jax.distributed`` processes on 127.0.0.1, 4 CPU devices each, sharing a mesh of 8."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import optax
+from conftest import grads_at, make_params
+
+TOLERANCE = 1e-5
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[5])
+    import jax, numpy as np
+    # jax.distributed ends a process whose peer died once its heartbeat times out: keep that above
+    # peer_timeout, so that mlp_offload's error, which names the cause, comes first.
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]), heartbeat_timeout_seconds=30)
+    import optax, jax_mlp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from conftest import grads_at, make_params
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("proc", "local"))
+
+    def spec(path, x):
+        name = jax.tree_util.keystr(path)
+        if "big" in name:
+            return P(("proc", "local"))    # FSDP over all 8 devices
+        if "embed" in name or "w2" in name:
+            return P("proc")               # split between processes, replicated inside each
+        if "w1" in name:
+            return P(None, "local")        # split inside each process, replicated across them
+        return P()
+
+    full = jax.tree.map(np.asarray, make_params())
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec(path, x)), lambda i: x[i]),
+        full,
+    )
+    me, mode = jax.process_index(), sys.argv[4]
+    paths = [os.path.join(sys.argv[3], f"nvme{me}"), os.path.join(sys.argv[3], "pfs")]
+    if mode == "die":  # slow paths, so that a kill lands in the middle of an update
+        paths = [jax_mlp.Path(p, max_read="200KB/s", max_write="200KB/s") for p in paths]
+    tx = jax_mlp.mlp_offload(optax.adamw(1e-2, weight_decay=0.1), paths=paths, subgroup_size="16KiB",
+                             peer_timeout=10, resume=mode == "resume")
+    state = tx.init(params)
+    print(f"init at {int(state.step)}", flush=True)
+    for step in range(int(state.step), 10):
+        print(f"update {step}", flush=True)
+        updates, state = tx.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    tx.close()
+    shards = {}
+    for leaf_index, leaf in enumerate(jax.tree.leaves(params)):
+        for n, shard in enumerate(leaf.addressable_shards):
+            starts = [s.start or 0 for s in shard.index]
+            shards[f"{leaf_index}_{n}"] = np.asarray(shard.data)
+            shards[f"{leaf_index}_{n}_at"] = np.array(starts, dtype=np.int64)
+    np.savez(os.path.join(sys.argv[3], f"result{me}.npz"), **shards)
+    print("done", flush=True)
+    """
+)
+
+
+def launch(tmp_path, mode: str) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    return [
+        subprocess.Popen(
+            [sys.executable, "-u", "-c", CHILD, f"127.0.0.1:{port}", str(i), str(tmp_path), mode, TESTS],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+
+
+def finish(children: list[subprocess.Popen]) -> list[str]:
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=400)
+        assert child.returncode == 0 and "done" in out, err[-4000:]
+        outputs.append(out)
+    return outputs
+
+
+def single_process_optax(restart_at: int | None) -> list[np.ndarray]:
+    """In-memory optax over the children's 10 steps; at ``restart_at`` the params restart from the
+    initial ones while the optimizer state carries on, as a resumed child's do."""
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    params = make_params()
+    state = inner.init(params)
+    for step in range(10):
+        if step == restart_at:
+            params = make_params()
+        updates, state = inner.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def assert_matches_single_process_optax(tmp_path, restart_at: int | None = None) -> None:
+    expected = single_process_optax(restart_at)
+    compared = 0
+    for me in range(2):
+        with np.load(tmp_path / f"result{me}.npz") as result:
+            for key in (k for k in result.files if not k.endswith("_at")):
+                leaf = int(key.split("_")[0])
+                block, at = result[key], result[f"{key}_at"]
+                want = expected[leaf][tuple(slice(a, a + n) for a, n in zip(at, block.shape, strict=True))]
+                scale = max(float(np.max(np.abs(expected[leaf]))), 1e-30)
+                assert float(np.max(np.abs(block - want))) / scale <= TOLERANCE, (me, key)
+                compared += 1
+    assert compared == 2 * 4 * len(expected)
+
+
+def test_two_processes_match_single_process_optax(tmp_path):
+    finish(launch(tmp_path, "train"))
+    assert_matches_single_process_optax(tmp_path)
+    for me in range(2):
+        assert os.listdir(tmp_path / f"nvme{me}") == [f"proc{me:04d}"]
+    assert sorted(os.listdir(tmp_path / "pfs")) == ["proc0000", "proc0001"]
+    for me in range(2):
+        assert any(name.startswith("sg") for name in os.listdir(tmp_path / "pfs" / f"proc{me:04d}"))
+
+
+def test_a_peer_killed_during_update_makes_the_survivor_fail_clearly(tmp_path):
+    survivor, victim = launch(tmp_path, "die")
+    while True:
+        line = victim.stdout.readline()
+        assert line, victim.stderr.read()[-4000:]
+        if line.startswith("update 3"):
+            break
+    time.sleep(0.5)
+    victim.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = survivor.communicate(timeout=120)
+    elapsed = time.monotonic() - killed
+    victim.wait(timeout=30)
+    assert elapsed < 60, elapsed
+    assert survivor.returncode != 0
+    assert "PeerError" in err and "peer_timeout=10s" in err and "resume=True" in err, err[-4000:]
+
+    # The survivor finished update 3, the victim did not: both resume at step 3, then train on.
+    outputs = finish(launch(tmp_path, "resume"))
+    assert all("init at 3" in out for out in outputs), outputs
+    assert_matches_single_process_optax(tmp_path, restart_at=3)
