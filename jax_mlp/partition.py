@@ -293,14 +293,21 @@ def make_plan(
 def pack(
     layout: RecordLayout, state_leaves: Sequence[np.ndarray], master_leaves: Sequence[np.ndarray], out: np.ndarray
 ) -> None:
-    """Copies a subgroup's state and master leaves into ``out``, a uint8 payload buffer."""
+    """Copies a subgroup's state and master leaves into ``out``, a uint8 payload buffer.
+
+    Every byte of ``out`` is written, the alignment gaps with zeros, so ``out`` may hold old data.
+    """
+    end = 0
     for field, value in zip(
         (*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True
     ):
         value = np.asarray(value)
         if value.shape != field.shape or value.dtype != field.dtype:
             raise ValueError(f"state leaf {value.shape} {value.dtype} does not match its record field {field}")
+        out[end : field.offset] = 0
         out[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)[...] = value
+        end = field.offset + field.nbytes
+    out[end:] = 0
 
 
 def unpack(layout: RecordLayout, payload: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:

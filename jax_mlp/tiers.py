@@ -153,11 +153,19 @@ def aligned_buffer(nbytes: int, *, zeroed: bool = True) -> np.ndarray:
     return BUFFERS.take(nbytes, zeroed=zeroed)
 
 
-def new_record(payload_nbytes: int) -> np.ndarray:
-    """A zeroed, aligned buffer for a record (header room plus payload), padded with zeros up to
-    whole chunks, so every chunk file is written straight from it."""
+def new_record(payload_nbytes: int, *, zeroed: bool = True) -> np.ndarray:
+    """An aligned buffer for a record (header room plus payload), padded with zeros up to whole
+    chunks, so every chunk file is written straight from it.
+
+    Args:
+      payload_nbytes: the payload's size.
+      zeroed: zero the header and payload too; pass False when the caller writes every byte (as
+        :func:`jax_mlp.partition.pack` and :func:`seal` do), which saves a pass over a reused buffer.
+    """
     nbytes = HEADER_SIZE + payload_nbytes
-    return aligned_buffer(_round_up(nbytes, chunk_bytes(nbytes)))[:nbytes]
+    buffer = aligned_buffer(_round_up(nbytes, chunk_bytes(nbytes)), zeroed=zeroed)
+    buffer[nbytes:] = 0
+    return buffer[:nbytes]
 
 
 def payload_of(record: np.ndarray) -> np.ndarray:

@@ -609,7 +609,7 @@ class Offloader:
         """Writer thread: device results to a sealed record, then into the tiers."""
         state_leaves, master_leaves = computed[-2], computed[-1]
         subgroup = self.plan.subgroups[index]
-        record = new_record(subgroup.layout.nbytes)
+        record = new_record(subgroup.layout.nbytes, zeroed=False)  # pack and seal write every byte
         partition.pack(
             subgroup.layout,
             [np.asarray(x) for x in state_leaves],

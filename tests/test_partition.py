@@ -72,3 +72,7 @@ def test_pack_and_unpack_round_trip():
     assert master == []
     for got, want in zip(state, values, strict=True):
         np.testing.assert_array_equal(got, want)
+    # A reused buffer full of old bytes packs to the same payload: every byte, gaps too, is written.
+    reused = np.full(layout.nbytes, 0xFF, np.uint8)
+    partition.pack(layout, values, [], reused)
+    np.testing.assert_array_equal(reused, payload)
