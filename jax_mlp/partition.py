@@ -114,16 +114,6 @@ def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[i
     return tuple((sl.start or 0, size if sl.stop is None else sl.stop) for sl, size in zip(index, shape, strict=True))
 
 
-def _lowest_replicas(shards: Sequence[Any], shape: tuple[int, ...]) -> dict[tuple, Any]:
-    """Of the given shards of a leaf, the one with the lowest ``replica_id`` per box."""
-    owners: dict[tuple, Any] = {}
-    for shard in shards:
-        box = shard_box(shard.index, shape)
-        if box not in owners or shard.replica_id < owners[box].replica_id:
-            owners[box] = shard
-    return owners
-
-
 def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
     """The shards of ``leaf`` this process stores and updates, or None for a leaf on one device.
 
@@ -133,7 +123,11 @@ def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
     """
     if not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) == 1:
         return None
-    owners = _lowest_replicas(leaf.addressable_shards, leaf.shape)
+    owners: dict[tuple, Any] = {}
+    for shard in leaf.addressable_shards:
+        box = shard_box(shard.index, leaf.shape)
+        if box not in owners or shard.replica_id < owners[box].replica_id:
+            owners[box] = shard
     return tuple(Shard(box, shard.device.id) for box, shard in sorted(owners.items(), key=lambda kv: kv[1].device.id))
 
 

@@ -76,13 +76,6 @@ def _check_supported(params: Any) -> None:
         raise ValueError("params has no leaves: there is no optimizer state to offload")
 
 
-def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
-    """The sharding of a leaf spread over several devices, or None for a leaf on one device."""
-    if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
-        return leaf.sharding
-    return None
-
-
 def _blocks_by_device(leaves: Sequence[jax.Array], shardings: Sequence[Any]) -> list[dict[int | None, jax.Array]]:
     """Per leaf, its data on each device that holds a block of it (``None``: a leaf on one device).
 
@@ -290,10 +283,6 @@ class _Step:
         self.timings = Timings(0.0, 0.0, 0.0, 0.0)
         self.compiles = 0
 
-    def add(self, timings: Timings, compiles: int) -> None:
-        self.timings = Timings(*(a + b for a, b in zip(self.timings, timings, strict=True)))
-        self.compiles += compiles
-
 
 class Offloader:
     """The live object behind ``mlp_offload``: plan, tiers, engine and compiled functions.
@@ -423,8 +412,10 @@ class Offloader:
         params = _as_arrays(params)
         _check_supported(params)
         leaves = jax.tree_util.tree_leaves(params)
-        self._shardings = [_sharding_of(x) for x in leaves]
         self._shards = [partition.owned_shards(x) for x in leaves]
+        self._shardings = [
+            None if shards is None else x.sharding for x, shards in zip(leaves, self._shards, strict=True)
+        ]
         self.plan = partition.make_plan(
             params, self.inner, self.config.subgroup_size, self.config.master_dtype, self._shards
         )
@@ -772,7 +763,7 @@ class Offloader:
         """Streams the subgroups in ``order`` through their devices, storing their step ``run.step + 1``.
 
         Args:
-          run: the update in progress; its timings and compile count grow.
+          run: the update in progress; it takes the stream's timings and compile count.
           order: the subgroups to update, in order.
           grad_of: a piece's gradient block (the whole leaf, or its shard).
           param_of: the same for params, or None when the update needs no params.
@@ -827,7 +818,7 @@ class Offloader:
         except BaseException:
             self._abort_step(run)
             raise
-        run.add(timings, compiles_on_this_thread() - compiles)
+        run.timings, run.compiles = timings, compiles_on_this_thread() - compiles
         results.update(accumulators)
         return results
 
