@@ -280,25 +280,16 @@ def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path,
 
 MEMORY = textwrap.dedent(
     """
-    import json, sys, threading, time
-    import jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp, psutil
+    import json, sys
+    import jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp
     import jax_mlp
-
-    process = psutil.Process()
-    peak = [0]
-
-    def sample():
-        while True:
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.001)
+    sys.path.insert(0, sys.argv[2])
+    from rss import PeakRise
 
     def rise(action):
-        time.sleep(0.05)
-        before = process.memory_info().rss
-        peak[0] = before
-        result = action()
-        time.sleep(0.01)
-        return peak[0] - before, result
+        with PeakRise() as peak:
+            result = action()
+        return peak.rise, result
 
     root = sys.argv[1]
     n = 64 * 1024**2  # 64M float32 params: 256 MiB; adam state: 512 MiB
@@ -306,7 +297,6 @@ MEMORY = textwrap.dedent(
     options = {"host_cache": "32MiB", "subgroup_size": "8MiB"}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[f"{root}/tier"], **options)
     state = tx.init(params)
-    threading.Thread(target=sample, daemon=True).start()
     updates = []
     for step in range(2):
         grads = jax.tree.map(lambda p: p * 0.01 + step, params)
@@ -334,7 +324,12 @@ MEMORY = textwrap.dedent(
 
 
 def test_peak_memory_of_save_and_restore_stays_within_the_bound_of_update(tmp_path):
-    result = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     print(

@@ -6,40 +6,29 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, threading, time
-    import jax, jax.numpy as jnp, optax, psutil
+    import json, sys
+    import jax, jax.numpy as jnp, optax
     import jax_mlp
-
-    process = psutil.Process()
-    peak = [0]
-    sampling = [True]
-
-    def sample():
-        while sampling[0]:
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.001)
+    sys.path.insert(0, sys.argv[2])
+    from rss import PeakRise
 
     n = 128 * 1024**2  # 128M float32 params: 512 MiB; adam state: 1 GiB
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32), "b": jnp.zeros((1024,), jnp.float32)}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], host_cache="32MiB", subgroup_size="8MiB")
     state = tx.init(params)
-    threading.Thread(target=sample, daemon=True).start()
     rises = []
     for step in range(3):
         grads = jax.tree.map(lambda p: p * 0.01 + step, params)
         jax.block_until_ready(grads)
-        time.sleep(0.05)
-        before = process.memory_info().rss
-        peak[0] = before
-        updates, state = tx.update(grads, state, params)
-        jax.block_until_ready(updates)
-        time.sleep(0.01)
-        rises.append(peak[0] - before)
+        with PeakRise() as peak:
+            updates, state = tx.update(grads, state, params)
+            jax.block_until_ready(updates)
+        rises.append(peak.rise)
         del updates, grads
-    sampling[0] = False
     print(json.dumps({"rises": rises, "state_bytes": tx.offloader.plan.state_nbytes,
                       "subgroups": len(tx.offloader.plan.subgroups)}))
     tx.close(delete=True)
@@ -49,7 +38,10 @@ SCRIPT = textwrap.dedent(
 
 def test_peak_rss_of_an_update_stays_below_params_plus_256MiB(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "tier")], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "tier"), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
