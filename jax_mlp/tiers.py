@@ -1,4 +1,4 @@
-"""Tiers: a bounded host-RAM cache and tensorstore-backed storage paths, holding records.
+"""Tiers: a bounded host-RAM cache of subgroups' fields, and tensorstore-backed storage paths of records.
 
 A *record* is one subgroup's state at one step: a 64-byte header (magic, version, step, payload
 size, layout hash, and a CRC-32 of the header and payload) followed by the raw payload. Each record is a zarr3 uint8 array with the
@@ -24,7 +24,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -96,7 +96,7 @@ class BufferPool:
     A fresh buffer costs a page fault per page on first touch: packing a cached update's 512 MiB
     of records took 345 ms of thread time into fresh buffers here, 89 ms into reused ones. Reuse is
     only safe when nothing still reads the buffer: a device array that aliases it (``device_put``
-    on CPU does so for 64-byte aligned arrays), the host cache, a checkpoint reader's view. Each of
+    on CPU does so for 64-byte aligned arrays), a checkpoint reader's view. Each of
     these holds a Python reference to the buffer, so a buffer is reused only when the pool's
     reference is the only one.
     The pool remembers the buffers it made most recently, up to ``capacity`` bytes in all; buffers
@@ -178,19 +178,15 @@ def _checksum(record: np.ndarray) -> int:
 
 
 def seal(record: np.ndarray, step: int, layout_hash: bytes) -> None:
-    """Writes the header of ``record`` for ``step``, all but the checksum that ends it.
+    """Writes the header of ``record`` for ``step``, ending with the checksum of header and payload.
 
-    :meth:`TierStack.write` stamps the checksum (:func:`stamp_checksum`) as the record leaves RAM
-    for a path, so a record that lives and dies in the host cache never pays for it (with zlib it
-    was 40% of a cached update here). Until then the checksum field is zero.
+    Records are made only as fields leave RAM for a path (:meth:`TierStack.write`), so fields
+    that live and die in the host cache never pay for the checksum (with zlib it was 40% of a
+    cached update here).
     """
     fields = _HEADER.pack(_MAGIC, _VERSION, step, record.nbytes - HEADER_SIZE, layout_hash)
     record[:HEADER_SIZE] = 0
     record[: _HEADER.size] = np.frombuffer(fields, np.uint8)
-
-
-def stamp_checksum(record: np.ndarray) -> None:
-    """Ends a sealed record's header with the checksum of its header and payload."""
     record[_CRC_OFFSET:HEADER_SIZE] = np.frombuffer(struct.pack("<I", _checksum(record)), np.uint8)
 
 
@@ -238,16 +234,34 @@ def verify(record: np.ndarray, *, name: str, step: int, layout_hash: bytes) -> n
     return payload_of(record)
 
 
-class CacheEntry(NamedTuple):
-    """A cached record: its buffer, the step it holds and whether storage lacks it."""
+class RecordCodec(NamedTuple):
+    """How a subgroup's fields become a sealed record and back; the tiers never look inside fields.
 
-    record: np.ndarray
+    Attributes:
+      pack: ``pack(subgroup, fields, step)`` returns a sealed record of ``fields`` at ``step``.
+      unpack: ``unpack(subgroup, payload)`` returns the fields a verified payload holds.
+    """
+
+    pack: Callable[[int, Any, int], np.ndarray]
+    unpack: Callable[[int, np.ndarray], Any]
+
+
+class CacheEntry(NamedTuple):
+    """A cached subgroup: its fields, the size of their record, the step they hold and whether
+    storage lacks them."""
+
+    fields: Any
+    nbytes: int
     step: int
     dirty: bool
 
 
 class HostCache:
-    """A bounded LRU cache of records in host RAM, keyed by subgroup index.
+    """A bounded LRU cache of subgroups' fields in host RAM, keyed by subgroup index.
+
+    It holds fields as computed, not packed records: a subgroup that lives and dies in the cache
+    is never copied into a record (packing was 60% of a cached update here). Its capacity counts
+    each entry at the size of its record.
 
     ``put`` returns what it evicted so the caller can write dirty records back; the cache itself
     never does I/O.
@@ -286,14 +300,14 @@ class HostCache:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self.nbytes -= old.record.nbytes
+                self.nbytes -= old.nbytes
             evicted = []
-            while self._entries and self.nbytes + entry.record.nbytes > self.capacity:
+            while self._entries and self.nbytes + entry.nbytes > self.capacity:
                 victim_key, victim = self._entries.popitem(last=False)
-                self.nbytes -= victim.record.nbytes
+                self.nbytes -= victim.nbytes
                 evicted.append((victim_key, victim))
             self._entries[key] = entry
-            self.nbytes += entry.record.nbytes
+            self.nbytes += entry.nbytes
             return evicted
 
     def mark_clean(self, key: int, step: int) -> None:
@@ -311,7 +325,7 @@ class HostCache:
         """Drops every entry that does not hold ``step`` (after a failed update)."""
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.step != step]:
-                self.nbytes -= self._entries.pop(key).record.nbytes
+                self.nbytes -= self._entries.pop(key).nbytes
 
     def clear(self) -> None:
         with self._lock:
@@ -905,11 +919,12 @@ class Pin:
 
 
 class TierStack:
-    """The cache in front of the paths: fetch a subgroup's record at a step, store a new one.
+    """The cache in front of the paths: fetch a subgroup's fields at a step, store new ones.
 
-    Where each subgroup's newest stored record lives is tracked in ``locations``; new records go
-    to the path ``placement`` names. Dirty cached records reach storage on eviction or through
-    :meth:`write_back`.
+    Fields go in and come out; ``codec`` packs them into a record only when they leave RAM for a
+    path, and unpacks what is read back. Where each subgroup's newest stored record lives is
+    tracked in ``locations``; new records go to the path ``placement`` names. Dirty cached fields
+    reach storage on eviction or through :meth:`write_back`.
 
     Args:
       cache: the host cache (capacity 0 disables it).
@@ -917,14 +932,18 @@ class TierStack:
       layout_hash: the plan's hash, checked in every record read.
       placement: maps a subgroup index to the index of the path its next record goes to.
       counters: where bytes moved and cache hits are counted.
+      codec: packs fields into sealed records and unpacks verified payloads.
     """
 
-    def __init__(self, cache: HostCache, paths: list[PathStore], layout_hash: bytes, placement, counters):
+    def __init__(
+        self, cache: HostCache, paths: list[PathStore], layout_hash: bytes, placement, counters, codec: RecordCodec
+    ):
         self.cache = cache
         self.paths = paths
         self.layout_hash = layout_hash
         self.placement = placement
         self.counters = counters
+        self.codec = codec
         self.locations: dict[int, int] = {}
         self.moved: list[tuple[int, int]] = []
         self.pins: list[Pin] = []
@@ -935,42 +954,45 @@ class TierStack:
         self.pins = [p for p in self.pins if not p.released] + [pin]
         return pin
 
-    def read_pinned(self, pin: Pin, subgroup: int) -> np.ndarray:
-        """The payload of ``subgroup`` at the pinned step, verified, then unpinned; not counted in the stats.
+    def read_pinned(self, pin: Pin, subgroup: int) -> Any:
+        """The fields of ``subgroup`` at the pinned step, then unpinned; not counted in the stats.
 
-        It comes from the cache while the cache still holds that step, else from storage.
+        They come from the cache while the cache still holds that step, else from storage (verified).
         """
         entry = self.cache.peek(subgroup)
         if entry is not None and entry.step == pin.step:
-            record, name = entry.record, f"cached record of subgroup {subgroup}"
+            fields = entry.fields
         else:
-            path = self.paths[pin.locations[subgroup]]
-            record = path.read(subgroup, pin.step % 2)
-            name = os.path.join(path.directory, record_name(subgroup, pin.step % 2))
-        payload = verify(record, name=name, step=pin.step, layout_hash=self.layout_hash)
+            payload = self._read(self.paths[pin.locations[subgroup]], subgroup, pin.step)
+            fields = self.codec.unpack(subgroup, payload)
         pin.mark_read(subgroup)
-        return payload
+        return fields
 
-    def fetch(self, subgroup: int, step: int) -> np.ndarray:
-        """The payload of ``subgroup`` at ``step``, from the cache or its path (verified)."""
-        entry = self.cache.get(subgroup)
-        if entry is not None and entry.step == step:
-            self.counters.hit()
-            return payload_of(entry.record)
-        path = self.paths[self.locations.get(subgroup, self.placement(subgroup))]
-        started = time.perf_counter()
+    def _read(self, path: PathStore, subgroup: int, step: int) -> np.ndarray:
+        """The payload of the record of ``subgroup`` at ``step`` on ``path``, verified."""
         record = path.read(subgroup, step % 2)
-        self.counters.read(path.root, record.nbytes, subgroup=subgroup, started=started)
         name = os.path.join(path.directory, record_name(subgroup, step % 2))
         return verify(record, name=name, step=step, layout_hash=self.layout_hash)
 
-    def write(self, subgroup: int, record: np.ndarray, step: int) -> None:
-        """Stamps a sealed record's checksum and writes it, as step ``step``, to the path the placement picks."""
+    def fetch(self, subgroup: int, step: int) -> Any:
+        """The fields of ``subgroup`` at ``step``, from the cache or its path (verified)."""
+        entry = self.cache.get(subgroup)
+        if entry is not None and entry.step == step:
+            self.counters.hit()
+            return entry.fields
+        path = self.paths[self.locations.get(subgroup, self.placement(subgroup))]
+        started = time.perf_counter()
+        payload = self._read(path, subgroup, step)
+        self.counters.read(path.root, HEADER_SIZE + payload.nbytes, subgroup=subgroup, started=started)
+        return self.codec.unpack(subgroup, payload)
+
+    def write(self, subgroup: int, fields: Any, step: int) -> None:
+        """Packs ``fields`` into a sealed record and writes it, as step ``step``, to the path the placement picks."""
         index = self.placement(subgroup)
         for pin in self.pins:
             if pin.blocks(subgroup, index, step % 2):
                 pin.wait(subgroup)
-        stamp_checksum(record)
+        record = self.codec.pack(subgroup, fields, step)
         started = time.perf_counter()
         self.paths[index].write(subgroup, step % 2, record)
         self.counters.wrote(self.paths[index].root, record.nbytes, subgroup=subgroup, started=started)
@@ -993,16 +1015,17 @@ class TierStack:
             elif self.locations.get(subgroup) != old:
                 self.paths[old].delete(subgroup)
 
-    def store(self, subgroup: int, record: np.ndarray, step: int) -> None:
-        """Keeps a sealed record in the cache when it fits (writing back what that evicts), else writes it."""
-        if not self.cache.fits(record.nbytes):
-            self.write(subgroup, record, step)
+    def store(self, subgroup: int, fields: Any, record_nbytes: int, step: int) -> None:
+        """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits (writing back
+        what that evicts), else writes them."""
+        if not self.cache.fits(record_nbytes):
+            self.write(subgroup, fields, step)
             return
-        for victim, entry in self.cache.put(subgroup, CacheEntry(record, step, dirty=True)):
+        for victim, entry in self.cache.put(subgroup, CacheEntry(fields, record_nbytes, step, dirty=True)):
             if entry.dirty:
-                self.write(victim, entry.record, entry.step)
+                self.write(victim, entry.fields, entry.step)
 
     def write_back(self, subgroup: int, entry: CacheEntry) -> None:
-        """Writes a dirty cached record to storage and marks it clean."""
-        self.write(subgroup, entry.record, entry.step)
+        """Writes dirty cached fields to storage and marks them clean."""
+        self.write(subgroup, entry.fields, entry.step)
         self.cache.mark_clean(subgroup, entry.step)

@@ -38,6 +38,7 @@ from jax_mlp.tiers import (
     HostCache,
     OffloadError,
     Pin,
+    RecordCodec,
     RecordError,
     TierStack,
     new_record,
@@ -210,6 +211,22 @@ class _Executables:
 _EXECUTABLES = _Executables()
 
 
+def _record_codec(plan: Plan) -> RecordCodec:
+    """Packs a subgroup's (state leaves, master leaves) into a sealed record by its layout, and back."""
+
+    def pack(index: int, fields: tuple, step: int) -> np.ndarray:
+        layout = plan.subgroups[index].layout
+        record = new_record(layout.nbytes, zeroed=False)  # pack and seal write every byte
+        partition.pack(layout, *fields, payload_of(record))
+        seal(record, step, plan.layout_hash)
+        return record
+
+    def unpack(index: int, payload: np.ndarray) -> tuple:
+        return partition.unpack(plan.subgroups[index].layout, payload)
+
+    return RecordCodec(pack, unpack)
+
+
 def _slice_rows(leaf: jax.Array, start: jax.Array, piece: partition.Piece) -> jax.Array:
     if piece.rows is None:
         return leaf
@@ -367,7 +384,12 @@ class Offloader:
         )
         self._counters = IOCounters([p.root for p in paths])
         self._tiers = TierStack(
-            HostCache(self.config.host_cache), paths, self.plan.layout_hash, self._scheduler.path_of, self._counters
+            HostCache(self.config.host_cache),
+            paths,
+            self.plan.layout_hash,
+            self._scheduler.path_of,
+            self._counters,
+            _record_codec(self.plan),
         )
         self._engine = Engine(self.config.prefetch_depth, self.config.write_depth, self.config.io_timeout)
 
@@ -535,7 +557,7 @@ class Offloader:
 
         The arrays are views of a record that nothing writes to again. Safe to call from any thread.
         """
-        return partition.unpack(self.plan.subgroups[index].layout, self._tiers.read_pinned(pin, index))
+        return self._tiers.read_pinned(pin, index)
 
     def set_caps(self, path: int | str, *, max_read: float | str | None = None, max_write: float | str | None = None):
         """Changes a path's bandwidth caps while training runs (e.g. to keep a shared PFS polite).
@@ -597,18 +619,9 @@ class Offloader:
         return [jax.device_put(np.int32(0 if p.rows is None else p.rows[0]), device) for p in subgroup.pieces]
 
     def _store(self, index: int, computed: tuple, step: int) -> None:
-        """Writer thread: device results to a sealed record, then into the tiers."""
-        state_leaves, master_leaves = computed[-2], computed[-1]
-        subgroup = self.plan.subgroups[index]
-        record = new_record(subgroup.layout.nbytes, zeroed=False)  # pack and seal write every byte
-        partition.pack(
-            subgroup.layout,
-            [np.asarray(x) for x in state_leaves],
-            [np.asarray(x) for x in master_leaves],
-            payload_of(record),
-        )
-        seal(record, step, self.plan.layout_hash)
-        self._tiers.store(index, record, step)
+        """Writer thread: the device results to host arrays (no copy on CPU), then into the tiers."""
+        fields = tuple([np.asarray(x) for x in leaves] for leaves in computed[-2:])
+        self._tiers.store(index, fields, HEADER_SIZE + self.plan.subgroups[index].layout.nbytes, step)
 
     def _finish(self, step: int, timings: Timings, compiles: int, extra_wait: float = 0.0) -> None:
         counters = self._counters
@@ -783,10 +796,9 @@ class Offloader:
             subgroup = plan.subgroups[index]
             early = run.prefetched.pop(index, None)
             if early is not None:
-                payload = self._engine.result(early, f"reading subgroup {index} ahead")
+                fields = self._engine.result(early, f"reading subgroup {index} ahead")
             else:
-                payload = self._tiers.fetch(index, step)
-            fields = partition.unpack(subgroup.layout, payload)
+                fields = self._tiers.fetch(index, step)
             return fields if in_callback else jax.device_put(fields, device_of(subgroup))
 
         def compute(index: int, fetched: list) -> tuple:

@@ -92,16 +92,21 @@ def test_idle_prefetch_reads_the_next_updates_first_records_once(paths):
     tx.close()
 
 
-def test_lazy_flush_writes_cached_records_only_when_asked(paths):
+def test_lazy_flush_writes_cached_records_only_when_asked(paths, monkeypatch):
     params = make_params()
     tx = jax_mlp.mlp_offload(
         optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="8MiB", flush="lazy"
     )
     state = tx.init(params)
+    packed = []
+    pack = jax_mlp.partition.pack
+    monkeypatch.setattr(jax_mlp.partition, "pack", lambda layout, *args: packed.append(layout) or pack(layout, *args))
     for step in range(3):
         _, state = tx.update(grads_at(params, step), state, params)
         assert sum(tx.stats.bytes_written.values()) == 0
+        assert packed == [], "cached state is kept as arrays, never packed into a record"
     tx.flush()
+    assert len(packed) == len(tx.offloader.plan.subgroups), "flush packs each subgroup's record once"
     tx.close()
     resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True)
     assert int(resumed.init(params).step) == 3
