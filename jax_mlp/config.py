@@ -161,7 +161,8 @@ class OffloadConfig:
       master_dtype: dtype of a master copy of the params kept in the tiers, or None.
       io_timeout: seconds after which a single read or write counts as hung and raises.
       peer_timeout: with several ``jax.distributed`` processes, seconds an update waits for the
-        slowest peer to finish the same step before it raises (a peer died or hangs).
+        slowest peer to finish the same step before it raises (a peer died or hangs); inside jit,
+        also how long each device's callback waits for the other devices' and for the update.
       order: ``"alternate"`` (ascending, then descending: the cache-friendly order) or ``"ascending"``.
       flush: ``"idle"`` writes dirty cached records back between updates; ``"lazy"`` only at eviction,
         ``flush()``, checkpoint or close (the paper's behaviour).

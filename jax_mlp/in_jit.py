@@ -1,32 +1,97 @@
-"""The in-jit route: ``update`` traced inside ``jax.jit`` becomes one host callback.
+"""The in-jit route: ``update`` traced inside ``jax.jit`` becomes one host callback per device.
 
-Inside jit the state cannot stream through the device, so the grads (and params) go to the host
-through ``io_callback``, inside ``shard_map`` over the params' one-device mesh, and the offloader
-updates every subgroup on the host CPU backend, as ZeRO-Offload's CPU Adam does.
+Inside jit the state cannot stream through the devices. Instead each device hands its blocks of the
+grads (and params) to the host through ``io_callback``, inside ``shard_map`` over the params' mesh
+with their ``PartitionSpec``s. The callbacks meet at a :class:`Rendezvous`: the last to arrive runs
+the update of every owned block on the host CPU backend, as ZeRO-Offload's CPU Adam does, and each
+callback returns its device's block of the updates. A replica returns its owner's block, so no state
+is stored or updated twice, and no device ever holds more than its own block.
 
-Params sharded over several devices are refused here: one callback per device, each running the
-update of its shards on the host CPU backend, deadlocks XLA's CPU runtime on fake CPU devices (the
-callbacks' host computations wait behind the devices' blocked steps), so the route cannot be tested
-on CPU. Sharded params take the eager route, which is the fast one anyway.
+On CPU devices (the fake devices of tests) each device's program holds one of XLA's CPU threads
+while its callback waits, so the update runs on a CPU device outside the mesh, and XLA's thread
+pools need a spare thread per device besides (:func:`jit_layout` checks both).
 """
 
 from __future__ import annotations
 
+import math
+import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_mlp.tiers import OffloadError
 
 
 class JitLayout(NamedTuple):
-    """The device the params live on, and its one-device mesh for ``shard_map``."""
+    """Where the in-jit route runs: the params' mesh, each leaf's spec on it, and the host device."""
 
-    device: jax.Device
     mesh: Mesh
+    specs: tuple[P, ...]
+    host: jax.Device
+
+    def block_shapes(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Each leaf's block shape on one device of the mesh."""
+        return [
+            NamedSharding(self.mesh, spec).shard_shape(shape) for spec, shape in zip(self.specs, shapes, strict=True)
+        ]
+
+
+def xla_cpu_threads() -> int:
+    """The size of each of XLA's CPU thread pools: ``NPROC`` or the usable cores, at least one per CPU device."""
+    nproc = os.environ.get("NPROC", "")
+    cores = int(nproc) if nproc.isdigit() and int(nproc) > 0 else len(os.sched_getaffinity(0))
+    return max(cores, len(jax.local_devices(backend="cpu")))
+
+
+def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P, ...]]:
+    """The one mesh the leaves live on, and their specs: a one-device mesh for leaves on one device."""
+    named = [(path, leaf) for path, leaf in zip(paths, leaves, strict=True) if _spans_devices(leaf)]
+    if not named:
+        devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+        if len(devices) > 1:
+            raise ValueError(
+                "the params are on several devices, each leaf whole on one; update inside jit takes them on one "
+                "device or sharded over one mesh with NamedSharding: place them so, or call tx.update outside jit"
+            )
+        device = devices.pop() if devices else jax.devices()[0]
+        return Mesh(np.array([device]), ("device",)), (P(),) * len(leaves)
+    if len(named) < len(leaves):
+        whole = next(path for path, leaf in zip(paths, leaves, strict=True) if not _spans_devices(leaf))
+        raise ValueError(
+            f"param {whole} is on one device while {named[0][0]} is sharded; update inside jit takes every leaf on "
+            "one mesh: give it a NamedSharding on that mesh (P() replicates it), or call tx.update outside jit"
+        )
+    meshes = {leaf.sharding.mesh for _, leaf in named if isinstance(leaf.sharding, NamedSharding)}
+    other = next((path for path, leaf in named if not isinstance(leaf.sharding, NamedSharding)), None)
+    if other is not None or len(meshes) != 1:
+        detail = f"param {other} has no NamedSharding" if other is not None else f"they use {len(meshes)} meshes"
+        raise ValueError(
+            f"update inside jit maps over the params' one mesh, but {detail}; shard every leaf with a NamedSharding "
+            "on one mesh, or call tx.update outside jit"
+        )
+    return meshes.pop(), tuple(leaf.sharding.spec for leaf in leaves)
+
+
+def _spans_devices(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+
+
+def _first_cpu_device() -> jax.Device:
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError as error:  # JAX_PLATFORMS left the CPU backend out
+        raise ValueError(
+            "update inside jit runs on the host CPU backend, which jax has not started: include cpu in JAX_PLATFORMS "
+            f"(e.g. JAX_PLATFORMS=cuda,cpu), or call tx.update outside jit ({error})"
+        ) from error
 
 
 def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
@@ -37,62 +102,131 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
       leaves: the params given to ``init`` (concrete arrays).
 
     Returns:
-      The params' device (the default device for leaves that are not jax arrays) and its mesh.
+      The params' mesh and specs, and the CPU device the update runs on: the first CPU device for
+      a mesh of accelerators, the device itself for one CPU device, else a CPU device outside the
+      mesh.
 
     Raises:
-      ValueError: a leaf spans several devices.
+      ValueError: the leaves are not on one mesh, or on a mesh of CPU devices that XLA's CPU runtime
+        could not serve while every device waits in its callback.
     """
-    devices = set()
-    for path, leaf in zip(paths, leaves, strict=True):
-        if isinstance(leaf, jax.Array):
-            if len(leaf.sharding.device_set) > 1:
-                raise ValueError(
-                    f"param {path} is sharded over {len(leaf.sharding.device_set)} devices; mlp_offload's update "
-                    "inside jit takes params on one device. Call tx.update(grads, opt_state, params) outside jit: "
-                    "the eager update handles sharded params and is the fast route (see docs/multi_device.md)"
-                )
-            devices.update(leaf.sharding.device_set)
-    if len(devices) > 1:
+    mesh, specs = _mesh_of(paths, leaves)
+    devices = list(mesh.local_devices)  # with jax.distributed, this process's callbacks
+    if devices[0].platform != "cpu":
+        return JitLayout(mesh, specs, _first_cpu_device())
+    if len(devices) == 1:  # its callback runs the update on it: measured to need two threads
+        host, needed = devices[0], 2
+    else:
+        spare = [d for d in jax.local_devices(backend="cpu") if d not in devices]
+        if not spare:
+            raise ValueError(
+                f"update inside jit on a mesh of all {len(devices)} CPU devices: the update runs on a CPU device "
+                "outside the mesh while the mesh's devices wait in their callbacks. Start with one more CPU device "
+                f"(XLA_FLAGS=--xla_force_host_platform_device_count={len(devices) + 1}) and build the mesh without "
+                "it, or call tx.update outside jit"
+            )
+        host, needed = spare[0], 2 * len(devices) + 1  # a thread per waiting device, per transfer, and one
+    if xla_cpu_threads() < needed:
         raise ValueError(
-            "the params are on several devices; update inside jit takes them on one device: put them there, or "
-            "call tx.update outside jit"
+            f"update inside jit on {len(devices)} CPU device(s) needs {needed} XLA CPU threads while the devices "
+            f"wait in their callbacks, but XLA has {xla_cpu_threads()}; set NPROC={needed} in the environment "
+            "before jax starts, or call tx.update outside jit"
         )
-    device = devices.pop() if devices else jax.devices()[0]
-    return JitLayout(device, Mesh(np.array([device]), ("device",)))
+    return JitLayout(mesh, specs, host)
 
 
 def host_update(
     layout: JitLayout,
-    update_on_host: Callable[..., list[np.ndarray]],
+    on_device: Callable[..., list[np.ndarray]],
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array] | None,
     step: jax.Array,
-    out_leaves: Sequence[jax.ShapeDtypeStruct],
+    out_blocks: Sequence[jax.ShapeDtypeStruct],
 ) -> list[jax.Array]:
-    """Traces the update as one ``update_on_host(step, *grads, *params)`` callback.
+    """Traces the update as one ``on_device(step, device_index, *grad_blocks, *param_blocks)`` per device.
 
     Args:
       layout: from :func:`jit_layout`.
-      update_on_host: runs on the host; returns each leaf's update as a numpy array.
+      on_device: runs on the host, once per device of the mesh, with that device's flat index in
+        the mesh and its blocks; returns the device's block of each leaf's update.
       grads: the gradient leaves (tracers).
       params: the param leaves, or None.
       step: the traced step of the ``OffloadState``.
-      out_leaves: per leaf, the shape and dtype of its update.
+      out_blocks: per leaf, the shape and dtype of one device's block of its update.
 
     Returns:
-      The update leaves.
+      The update leaves, sharded as the params.
     """
+    mesh, specs = layout.mesh, list(layout.specs)
     params = list(params or [])
 
-    def on_device(step, grads, params):
-        return io_callback(update_on_host, list(out_leaves), step, *grads, *params)
+    def per_device(step, grads, params):
+        index = sum(
+            jax.lax.axis_index(name) * math.prod(mesh.devices.shape[i + 1 :]) for i, name in enumerate(mesh.axis_names)
+        )
+        return io_callback(on_device, list(out_blocks), step, jnp.int32(index), *grads, *params)
 
-    everywhere = [P()] * len(out_leaves)
     mapped = jax.shard_map(
-        on_device,
-        mesh=layout.mesh,
-        in_specs=(P(), everywhere, everywhere if params else []),
-        out_specs=everywhere,
+        per_device,
+        mesh=mesh,
+        in_specs=(P(), specs, specs if params else []),
+        out_specs=specs,
         check_vma=False,
     )
     return mapped(step, list(grads), params)
+
+
+class Rendezvous:
+    """Where the callbacks of one step meet: the last to arrive runs the step for all of them.
+
+    Args:
+      parties: the callbacks per step (the mesh's devices).
+      timeout: seconds a callback waits for the others and for the step before it raises
+        (``peer_timeout``).
+    """
+
+    def __init__(self, parties: int, timeout: float):
+        self._parties = parties
+        self._timeout = timeout
+        self._condition = threading.Condition()
+        self._arrived: dict[int, dict[int, Any]] = {}
+        self._outcomes: dict[int, tuple[Any, BaseException | None, set[int]]] = {}
+
+    def meet(self, key: int, party: int, payload: Any, run: Callable[[dict[int, Any]], Any]) -> Any:
+        """Leaves ``payload``; the last party calls ``run`` with every payload. Returns ``run``'s result.
+
+        Raises:
+          OffloadError: the other parties or the step did not come within the timeout.
+          BaseException: whatever ``run`` raised, in every party.
+        """
+        with self._condition:
+            arrived = self._arrived.setdefault(key, {})
+            arrived[party] = payload
+            last = len(arrived) == self._parties
+            if last:
+                del self._arrived[key]
+        if last:
+            try:
+                outcome = (run(arrived), None)
+            except BaseException as error:
+                outcome = (None, error)
+            with self._condition:
+                self._outcomes[key] = (*outcome, set(arrived))
+                self._condition.notify_all()
+        with self._condition:
+            if not self._condition.wait_for(lambda: key in self._outcomes, self._timeout):
+                waiting_for = self._arrived.pop(key, None)  # None: all arrived, the update is running
+                what = "the update did not finish"
+                if waiting_for is not None:
+                    what = f"{self._parties - len(waiting_for)} of {self._parties} devices' callbacks did not arrive"
+                raise OffloadError(
+                    f"in-jit update at step {key}: {what} within peer_timeout={self._timeout} s; the step is "
+                    "intact on storage"
+                )
+            result, error, waiting = self._outcomes[key]
+            waiting.discard(party)
+            if not waiting:
+                del self._outcomes[key]
+        if error is not None:
+            raise error
+        return result

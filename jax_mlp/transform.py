@@ -328,6 +328,8 @@ class Offloader:
         self._shards: list[tuple[partition.Shard, ...] | None] = []
         self._devices = {device.id: device for device in jax.devices()}
         self._jit_layout: in_jit.JitLayout | Exception | None = None
+        self._jit_owners: dict[int, list[tuple[int, int | None]]] = {}
+        self._rendezvous: in_jit.Rendezvous | None = None
         self._jit_failure: str | None = None
         self._run_key = f"jax_mlp/{next(_INSTANCES)}"
         self._prefetched: dict[int, Future] = {}
@@ -445,6 +447,9 @@ class Offloader:
             self._jit_layout = in_jit.jit_layout([spec.path for spec in self.plan.leaves], leaves)
         except ValueError as error:  # raised only if update is ever traced inside jit
             self._jit_layout = error
+        else:
+            self._jit_owners = self._owners_by_device(self._jit_layout.mesh)
+            self._rendezvous = in_jit.Rendezvous(len(self._jit_layout.mesh.local_devices), self.config.peer_timeout)
         try:
             self._open_tiers()
             self.step = populate()
@@ -579,9 +584,10 @@ class Offloader:
         return self._scheduler
 
     def close(self, *, delete: bool = False) -> None:
-        """Flushes, stops the threads and, only if ``delete``, removes the files on every path."""
+        """Waits for queued jitted updates, flushes, stops the threads and, if ``delete``, removes the files."""
         if self._closed:
             return
+        self._settle_jitted_updates()
         try:
             if not delete:
                 self.flush()
@@ -595,6 +601,18 @@ class Offloader:
                 if delete:
                     for path in self._tiers.paths:
                         path.remove()
+
+    def _settle_jitted_updates(self) -> None:
+        """Waits for the jitted updates still queued on the devices, so none meets closed tiers.
+
+        A failed one has raised in its own results already; here it only must not stop the close.
+        """
+        if self._rendezvous is None:
+            return
+        try:
+            jax.effects_barrier()
+        except Exception:
+            logger.debug("a jitted update failed before close; its results carry the error", exc_info=True)
 
     def __enter__(self) -> Offloader:
         return self
@@ -871,6 +889,26 @@ class Offloader:
 
     # ----------------------------------------------------------------------------- in-jit route
 
+    def _owners_by_device(self, mesh: jax.sharding.Mesh) -> dict[int, list[tuple[int, int | None]]]:
+        """Per device of ``mesh`` in this process: for each leaf, the key of the update block that device receives.
+
+        A key is (leaf, owner device id), as :meth:`_stream` returns them; the owner is ``None`` for
+        leaves on one device, and for a replica it is the device that stores and updates the block.
+        """
+        owners = {}
+        for device in mesh.local_devices:
+            keys = []
+            for index, (spec, sharding, shards) in enumerate(
+                zip(self.plan.leaves, self._shardings, self._shards, strict=True)
+            ):
+                if sharding is None:
+                    keys.append((index, None))
+                    continue
+                box = partition.shard_box(sharding.devices_indices_map(spec.shape)[device], spec.shape)
+                keys.append((index, next(shard.device for shard in shards if shard.box == box)))
+            owners[device.id] = keys
+        return owners
+
     def _update_traced(self, updates: Any, state: Any, params: Any) -> tuple[Any, OffloadState]:
         """Traces ``update`` as one host callback per device (see :mod:`jax_mlp.in_jit`)."""
         self._check_state(state)
@@ -878,46 +916,61 @@ class Offloader:
         if isinstance(self._jit_layout, Exception):
             raise self._jit_layout
         layout = self._jit_layout
-        out_blocks = [jax.ShapeDtypeStruct(spec.shape, self._out_dtype(i)) for i, spec in enumerate(self.plan.leaves)]
-        leaves = in_jit.host_update(layout, self._update_on_host, grads, param_leaves, state.step, out_blocks)
+        shapes = layout.block_shapes([spec.shape for spec in self.plan.leaves])
+        out_blocks = [jax.ShapeDtypeStruct(shape, self._out_dtype(i)) for i, shape in enumerate(shapes)]
+        leaves = in_jit.host_update(layout, self._update_on_device, grads, param_leaves, state.step, out_blocks)
         return jax.tree_util.tree_unflatten(self.plan.treedef, leaves), OffloadState(state.step + 1)
 
-    def _update_on_host(self, step: np.ndarray, *blocks: np.ndarray) -> list[np.ndarray]:
-        """Host callback: the whole update, on the host CPU backend, with the grads (and params) given.
+    def _update_on_device(self, step: np.ndarray, device_index: np.ndarray, *blocks: np.ndarray) -> list[np.ndarray]:
+        """One device's host callback: meets the others, then returns its blocks of the updates."""
+        device = self._jit_layout.mesh.devices.flat[int(device_index)]
+        results = self._rendezvous.meet(
+            int(step), device.id, blocks, functools.partial(self._update_on_host, int(step))
+        )
+        return [results[key] for key in self._jit_owners[device.id]]
 
-        An error leaves step ``step`` intact and this offloader refusing further in-jit updates
-        (the jitted caller cannot roll back with it): close it and reopen with ``resume=True``.
+    def _update_on_host(self, step: int, blocks_by_device: dict[int, Sequence[np.ndarray]]) -> dict:
+        """The whole update on the host CPU backend, with every device's grad (and param) blocks.
+
+        Runs in the callback of the last device to arrive. An error leaves step ``step`` intact and
+        this offloader refusing further in-jit updates (the jitted caller cannot roll back with it):
+        close it and reopen with ``resume=True``.
+
+        Returns:
+          Each owned block's update as a numpy array, by (leaf, owner device id).
         """
         if self._jit_failure is not None:
             raise OffloadError(
                 f"an earlier in-jit update of this mlp_offload failed ({self._jit_failure}); its step is intact "
                 "on storage: close this mlp_offload and create it again with resume=True"
             )
-        n = len(self.plan.leaves)
+        n, host = len(self.plan.leaves), self._jit_layout.host
+        whole = next(iter(blocks_by_device))  # the device of leaves on one device (a one-device mesh)
+
+        @functools.cache
+        def on_host(device: int, index: int) -> jax.Array:  # only owners' blocks are used
+            return jax.device_put(blocks_by_device[device][index], host)
+
+        def block_of(offset: int) -> Callable[[partition.Piece], jax.Array]:
+            return lambda p: on_host(whole if p.device is None else p.device, offset + p.leaf)
+
         try:
-            self._check_step(int(step))
-            host = self._host_device()
-            grads = [jax.device_put(b, host) for b in blocks[:n]]
-            params = [jax.device_put(b, host) for b in blocks[n:]] or None
-            run = self._begin_step()
-            results = self._stream(
-                run,
-                self._scheduler.order(run.step),
-                lambda p: grads[p.leaf],
-                None if params is None else lambda p: params[p.leaf],
-                lambda _: host,
-                in_callback=True,
-            )
-            self._end_step(run)
+            self._check_step(step)
+            with jax.default_device(host):
+                run = self._begin_step()
+                results = self._stream(
+                    run,
+                    self._scheduler.order(run.step),
+                    block_of(0),
+                    block_of(n) if len(blocks_by_device[whole]) > n else None,
+                    lambda _: host,
+                    in_callback=True,
+                )
+                self._end_step(run)
         except BaseException as error:
             self._jit_failure = f"{type(error).__name__}: {error}"
             raise
-        return [np.asarray(results[index, None]) for index in range(n)]  # this thread waits: see _stream
-
-    def _host_device(self) -> jax.Device:
-        """Where the in-jit update runs: the params' device if it is a CPU, else the first CPU device."""
-        device = self._jit_layout.device
-        return device if device.platform == "cpu" else jax.devices("cpu")[0]
+        return {key: np.asarray(value) for key, value in results.items()}  # this thread waits: see _stream
 
 
 class OffloadTransformation(optax.GradientTransformationExtraArgs):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import optax
 import pytest
 from conftest import OPTIMIZERS, grads_at, make_params, max_relative_deviation
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_flax import train
-from test_sharding import mesh_2x4, sharded_params
+from test_sharding import assert_stored_once, mesh_2x4, sharded_params, train_keeping_shardings
 
 import jax_mlp
+from jax_mlp import in_jit
 
 TOLERANCE = 1e-5
 
@@ -47,15 +52,87 @@ def test_update_inside_jit_matches_optax(tmp_path):
     tx.close()
 
 
-def test_sharded_params_inside_jit_get_a_clear_error_and_work_eagerly(tmp_path):
+def test_sharded_update_inside_jit_matches_optax_keeps_shardings_and_stores_once(tmp_path):
+    mesh = mesh_2x4()
+    params = sharded_params(mesh)
+    inner = OPTIMIZERS["adamw_mask"]()
+    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB")
+    params = train_keeping_shardings(tx, inner, params, jax.jit(tx.update))
+    assert tx.offloader._jit_layout.host not in mesh.devices.flat, "the update must run outside the mesh"
+    assert_stored_once(tx, inner, params)
+
+
+def test_many_jitted_updates_queued_ahead_all_run_before_close(tmp_path):
+    """40 steps dispatched before any finishes (more than XLA's in-flight programs per device), then close."""
     params = sharded_params(mesh_2x4())
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path)
+    inner = optax.adam(1e-2)
+    tx = jax_mlp.mlp_offload(inner, paths=tmp_path, subgroup_size="24KiB")
+    step_fn = jax.jit(lambda p, s: _apply(tx, p, s, grads_at(p, 0)))
     opt_state = tx.init(params)
-    with pytest.raises(ValueError, match=r"param \['big'\] is sharded over 8 devices.*outside jit"):
-        jax.jit(tx.update)(grads_at(params, 0), opt_state, params)
-    _, opt_state = tx.update(grads_at(params, 0), opt_state, params)
-    assert int(opt_state.step) == 1
-    tx.close()
+    for _ in range(40):
+        params, opt_state = step_fn(params, opt_state)
+    tx.close()  # waits for the queued updates
+    assert tx.stats.step == 40 and int(opt_state.step) == 40
+    expected = jax.jit(lambda p, s: _apply(inner, p, s, grads_at(p, 0)))
+    reference, state = sharded_params(mesh_2x4()), inner.init(params)
+    for _ in range(40):
+        reference, state = expected(reference, state)
+    assert max(max_relative_deviation(params, reference).values()) <= TOLERANCE
+
+
+def _apply(tx, params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+def test_layouts_the_cpu_runtime_cannot_serve_are_refused_at_trace_time(tmp_path, monkeypatch):
+    every_device = jax.make_mesh((len(jax.devices()),), ("all",))
+    replicated = {"w": jax.device_put(make_params()["big"], NamedSharding(every_device, P()))}
+    mixed = {"w": replicated["w"], "b": jax.numpy.zeros(3)}
+    cases = [(replicated, "one more CPU device"), (mixed, r"param \['b'\] is on one device")]
+    monkeypatch.setenv("NPROC", "4")
+    cases.append((sharded_params(mesh_2x4()), "needs 17 XLA CPU threads .* has 9; set NPROC=17"))
+    for index, (params, message) in enumerate(cases):
+        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path / str(index))
+        opt_state = tx.init(params)
+        with pytest.raises(ValueError, match=message):
+            jax.jit(tx.update)(grads_at(params, 0), opt_state, params)
+        _, opt_state = tx.update(grads_at(params, 0), opt_state, params)  # the eager route still works
+        assert int(opt_state.step) == 1
+        tx.close()
+
+
+def test_rendezvous_times_out_clearly_and_hands_every_party_the_error():
+    rendezvous = in_jit.Rendezvous(parties=2, timeout=0.5)
+    with pytest.raises(jax_mlp.OffloadError, match="1 of 2 devices' callbacks did not arrive"):
+        rendezvous.meet(7, party=0, payload=None, run=lambda payloads: payloads)
+
+    def fail(payloads):
+        raise RuntimeError(f"update failed with {sorted(payloads)}")
+
+    errors = []
+
+    def party(index):
+        try:
+            rendezvous.meet(8, party=index, payload=index, run=fail)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    threads = [threading.Thread(target=party, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert errors == ["update failed with [0, 1]"] * 2
+    results = []
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(rendezvous.meet(9, i, i * 10, dict))) for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert results == [{0: 0, 1: 10}] * 2
 
 
 def test_jit_and_eager_updates_interleave_on_one_state(tmp_path):
@@ -73,8 +150,9 @@ def test_jit_and_eager_updates_interleave_on_one_state(tmp_path):
     tx.close()
 
 
-def test_a_failed_jitted_update_asks_for_resume(tmp_path):
-    params = make_params()
+@pytest.mark.parametrize("layout", ["one_device", "sharded"])
+def test_a_failed_jitted_update_asks_for_resume(tmp_path, layout):
+    params = make_params() if layout == "one_device" else sharded_params(mesh_2x4())
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path)
     opt_state = tx.init(params)
     stale = jax.tree.map(lambda x: x, opt_state)

@@ -30,8 +30,9 @@ CHILD = textwrap.dedent(
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from conftest import grads_at, make_params
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devices).reshape(2, 4), ("proc", "local"))
+    # The first 4 devices of each process; in "jit" mode each has a fifth, for the in-jit update.
+    mesh = Mesh(np.array([sorted(jax.local_devices(process_index=p), key=lambda d: d.id)[:4] for p in range(2)]),
+                ("proc", "local"))
 
     def spec(path, x):
         name = jax.tree_util.keystr(path)
@@ -56,9 +57,10 @@ CHILD = textwrap.dedent(
                              peer_timeout=10, resume=mode == "resume")
     state = tx.init(params)
     print(f"init at {int(state.step)}", flush=True)
+    update = jax.jit(tx.update) if mode == "jit" else tx.update
     for step in range(int(state.step), 10):
         print(f"update {step}", flush=True)
-        updates, state = tx.update(grads_at(params, step), state, params)
+        updates, state = update(grads_at(params, step), state, params)
         params = optax.apply_updates(params, updates)
     tx.close()
     shards = {}
@@ -77,7 +79,8 @@ def launch(tmp_path, mode: str) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    devices = 5 if mode == "jit" else 4
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return [
         subprocess.Popen(
             [sys.executable, "-u", "-c", CHILD, f"127.0.0.1:{port}", str(i), str(tmp_path), mode, TESTS],
@@ -136,6 +139,11 @@ def test_two_processes_match_single_process_optax(tmp_path):
     assert sorted(os.listdir(tmp_path / "pfs")) == ["proc0000", "proc0001"]
     for me in range(2):
         assert any(name.startswith("sg") for name in os.listdir(tmp_path / "pfs" / f"proc{me:04d}"))
+
+
+def test_two_processes_update_inside_jit(tmp_path):
+    finish(launch(tmp_path, "jit"))
+    assert_matches_single_process_optax(tmp_path)
 
 
 def test_a_peer_killed_during_update_makes_the_survivor_fail_clearly(tmp_path):

@@ -49,21 +49,8 @@ def test_sharded_training_matches_optax_and_stores_each_block_once(tmp_path):
     params = sharded_params(mesh)
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(params)} == {8}
     inner = OPTIMIZERS["adamw_mask"]()
-    expected = jax.jit(lambda p: p)(params)
-    state = inner.init(expected)
     tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB")
-    opt_state = tx.init(params)
-    for step in range(10):
-        grads = grads_at(params, step)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
-            assert u.sharding.is_equivalent_to(p.sharding, p.ndim), "an update lost its sharding"
-            assert {s.data.shape for s in u.addressable_shards} == {s.data.shape for s in p.addressable_shards}
-        params = optax.apply_updates(params, updates)
-        reference, state = inner.update(grads_at(expected, step), state, expected)
-        expected = optax.apply_updates(expected, reference)
-    deviation = max_relative_deviation(params, expected)
-    assert max(deviation.values()) <= TOLERANCE, deviation
+    params = train_keeping_shardings(tx, inner, params, tx.update)
 
     plan = tx.offloader.plan
     assert any(p.rows is not None and p.shard is not None for sg in plan.subgroups for p in sg.pieces), "no split shard"
@@ -74,7 +61,34 @@ def test_sharded_training_matches_optax_and_stores_each_block_once(tmp_path):
         owned = [p for sg in plan.subgroups for p in sg.pieces if p.leaf == index]
         elements = sum(math.prod(jax_mlp.partition.piece_shape(spec, p)) for p in owned)
         assert elements == math.prod(spec.shape), spec.path
-    # Bytes on disk: one adam count per record besides the unique state; replicas would double it.
+    assert_stored_once(tx, inner, params)
+
+
+def train_keeping_shardings(tx, inner, params, update, steps: int = 10):
+    """``steps`` updates through ``update`` (``tx.update`` or a jitted wrapper), beside in-memory optax.
+
+    Checks every step's updates keep the params' sharding (no device holds more than its block) and
+    the final params against optax's. Returns the final params.
+    """
+    opt_state = tx.init(params)
+    expected, state = jax.jit(lambda p: p)(params), inner.init(params)
+    for step in range(steps):
+        updates, opt_state = update(grads_at(params, step), opt_state, params)
+        for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
+            assert u.sharding.is_equivalent_to(p.sharding, p.ndim), "an update lost its sharding"
+            assert {s.data.shape for s in u.addressable_shards} == {s.data.shape for s in p.addressable_shards}
+        params = optax.apply_updates(params, updates)
+        reference, state = inner.update(grads_at(expected, step), state, expected)
+        expected = optax.apply_updates(expected, reference)
+    assert int(opt_state.step) == steps and tx.stats.step == steps
+    deviation = max_relative_deviation(params, expected)
+    assert max(deviation.values()) <= TOLERANCE, deviation
+    return params
+
+
+def assert_stored_once(tx, inner, params) -> None:
+    """Closes ``tx`` and checks its bytes on disk: the unique state, one adam count per record; no replica."""
+    plan = tx.offloader.plan
     unique = sum(x.nbytes for x in jax.tree.leaves(inner.init(params)))
     fields = [f for sg in plan.subgroups for f in (*sg.layout.state_fields, *sg.layout.master_fields)]
     counts = [f for f in fields if f.shape == () and f.dtype == np.int32]
