@@ -126,10 +126,11 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
                 "it, or call tx.update outside jit"
             )
         host, needed = spare[0], 2 * len(devices) + 1  # a thread per waiting device, per transfer, and one
-    if xla_cpu_threads() < needed:
+    threads = xla_cpu_threads()
+    if threads < needed:
         raise ValueError(
             f"update inside jit on {len(devices)} CPU device(s) needs {needed} XLA CPU threads while the devices "
-            f"wait in their callbacks, but XLA has {xla_cpu_threads()}; set NPROC={needed} in the environment "
+            f"wait in their callbacks, but XLA has {threads}; set NPROC={needed} in the environment "
             "before jax starts, or call tx.update outside jit"
         )
     return JitLayout(mesh, specs, host)

@@ -114,6 +114,25 @@ def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[i
     return tuple((sl.start or 0, size if sl.stop is None else sl.stop) for sl, size in zip(index, shape, strict=True))
 
 
+def block_owners(shape: tuple[int, ...], sharding: Any, shards: Sequence[Shard]) -> dict[Any, int]:
+    """Each device of this process that holds a block of a sharded leaf, and the id of its block's owner.
+
+    Args:
+      shape: the leaf's global shape.
+      sharding: the leaf's sharding.
+      shards: the leaf's :func:`owned_shards`.
+
+    Returns:
+      The owner's device id by device, in the order of ``sharding.addressable_devices_indices_map``;
+      an owner maps to itself, a replica to the device that stores and updates its block.
+    """
+    owner_of_box = {shard.box: shard.device for shard in shards}
+    return {
+        device: owner_of_box[shard_box(index, shape)]
+        for device, index in sharding.addressable_devices_indices_map(shape).items()
+    }
+
+
 def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
     """The shards of ``leaf`` this process stores and updates, or None for a leaf on one device.
 

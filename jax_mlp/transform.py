@@ -94,20 +94,23 @@ def _blocks_by_device(leaves: Sequence[jax.Array], shardings: Sequence[Any]) -> 
     return blocks
 
 
-def _assemble(shape: tuple[int, ...], sharding: jax.sharding.Sharding, owned: dict[tuple, jax.Array]) -> jax.Array:
+def _assemble(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, owners: dict[jax.Device, int], owned: dict[int, jax.Array]
+) -> jax.Array:
     """A sharded leaf's updates from the owners' blocks; replicas get a device-to-device copy.
 
     Args:
       shape: the leaf's global shape.
       sharding: the leaf's sharding, as at ``init``.
-      owned: each owned block's update, by its box (see :func:`partition.shard_box`).
+      owners: from :func:`partition.block_owners`.
+      owned: each owned block's update, by its owner's device id.
 
     Returns:
       A ``jax.Array`` with ``sharding``; no device ever holds more than its own block.
     """
     arrays = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        block = owned[partition.shard_box(index, shape)]
+    for device, owner in owners.items():
+        block = owned[owner]
         arrays.append(block if block.devices() == {device} else jax.device_put(block, device))
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -699,8 +702,9 @@ class Offloader:
             if sharding is None:
                 leaves.append(results[index, None])
             else:
-                owned = {shard.box: results[index, shard.device] for shard in shards}
-                leaves.append(_assemble(spec.shape, sharding, owned))
+                owners = partition.block_owners(spec.shape, sharding, shards)
+                owned = {shard.device: results[index, shard.device] for shard in shards}
+                leaves.append(_assemble(spec.shape, sharding, owners, owned))
         return leaves
 
     def _check_state(self, state: Any) -> None:
@@ -895,19 +899,14 @@ class Offloader:
         A key is (leaf, owner device id), as :meth:`_stream` returns them; the owner is ``None`` for
         leaves on one device, and for a replica it is the device that stores and updates the block.
         """
-        owners = {}
-        for device in mesh.local_devices:
-            keys = []
-            for index, (spec, sharding, shards) in enumerate(
-                zip(self.plan.leaves, self._shardings, self._shards, strict=True)
-            ):
-                if sharding is None:
-                    keys.append((index, None))
-                    continue
-                box = partition.shard_box(sharding.devices_indices_map(spec.shape)[device], spec.shape)
-                keys.append((index, next(shard.device for shard in shards if shard.box == box)))
-            owners[device.id] = keys
-        return owners
+        owners = [
+            None if sharding is None else partition.block_owners(spec.shape, sharding, shards)
+            for spec, sharding, shards in zip(self.plan.leaves, self._shardings, self._shards, strict=True)
+        ]
+        return {
+            device.id: [(index, None if of is None else of[device]) for index, of in enumerate(owners)]
+            for device in mesh.local_devices
+        }
 
     def _update_traced(self, updates: Any, state: Any, params: Any) -> tuple[Any, OffloadState]:
         """Traces ``update`` as one host callback per device (see :mod:`jax_mlp.in_jit`)."""
