@@ -29,8 +29,8 @@ import optax
 import jax_mlp
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
-from jax_mlp.probe import probe
-from jax_mlp.tiers import HEADER_SIZE
+from jax_mlp.storage.probe import probe
+from jax_mlp.storage.record import HEADER_SIZE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

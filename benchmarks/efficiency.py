@@ -44,9 +44,10 @@ import numpy as np
 import optax
 
 import jax_mlp
-from jax_mlp import tiers
-from jax_mlp.probe import _drop_page_cache as drop_page_cache
-from jax_mlp.tiers import CHUNK_REQUESTS, HEADER_SIZE, chunk_bytes
+from jax_mlp.storage import record
+from jax_mlp.storage.chunk_files import CHUNK_REQUESTS
+from jax_mlp.storage.probe import drop_page_cache
+from jax_mlp.storage.record import HEADER_SIZE, chunk_bytes
 
 ALIGN = 4096
 BUFFERED = "buffered + fsync + posix_fadvise(DONTNEED)"
@@ -540,10 +541,10 @@ def checksum_speed(nbytes: int) -> dict:
     """Bytes/s of the record checksum as jax_mlp computes it, and of zlib's, on ``nbytes`` of random data."""
     data = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
     speeds = {}
-    for name, crc in (("used", tiers.crc32), ("zlib", zlib.crc32)):
+    for name, crc in (("used", record.crc32), ("zlib", zlib.crc32)):
         seconds = min(timed(functools.partial(crc, data))[0] for _ in range(3))
         speeds[f"{name}_bytes_per_s"] = nbytes / seconds
-    return {"used": tiers.crc32.__module__, **speeds}
+    return {"used": record.crc32.__module__, **speeds}
 
 
 def report(result: dict) -> None:

@@ -36,7 +36,6 @@ import gc
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import psutil
+from offload_options import state_paths
 
 import jax_mlp
 from jax_mlp.stats import format_bytes
@@ -181,58 +181,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_layers = max(1, round(target / (STATE_BYTES_PER_PARAM * args.width**2)))
     num_params = num_layers * args.width**2
     host_cache = jax_mlp.parse_size(args.host_cache or STATE_BYTES_PER_PARAM * num_params // 4, name="--host-cache")
-    temp_dir = tempfile.mkdtemp(prefix="jax_mlp_big_") if args.paths is None else None
-    paths = args.paths or [f"{temp_dir}/path0"]
-    _check_room(num_params, num_params * STATE_BYTES_PER_PARAM, paths)
+    with state_paths(args.paths, count=1, prefix="jax_mlp_big_") as (paths, temporary):
+        _check_room(num_params, num_params * STATE_BYTES_PER_PARAM, paths)
 
-    params = make_params(num_layers, args.width, args.seed)
-    grad_fn = jax.jit(jax.value_and_grad(loss))
-    apply = jax.jit(optax.apply_updates, donate_argnums=0)
-    data_key = jax.random.key(args.seed + 1)
-    value, grads = grad_fn(params, jax.random.normal(data_key, (BATCH, args.width)))
-    jax.block_until_ready(grads)
-    gc.collect()
-    warmup, steady = RssSampler(), RssSampler()
-    rss_before = steady.now()
+        params = make_params(num_layers, args.width, args.seed)
+        grad_fn = jax.jit(jax.value_and_grad(loss))
+        apply = jax.jit(optax.apply_updates, donate_argnums=0)
+        data_key = jax.random.key(args.seed + 1)
+        value, grads = grad_fn(params, jax.random.normal(data_key, (BATCH, args.width)))
+        jax.block_until_ready(grads)
+        gc.collect()
+        warmup, steady = RssSampler(), RssSampler()
+        rss_before = steady.now()
 
-    offload = jax_mlp.mlp_offload(
-        optax.adamw(args.lr, weight_decay=0.0),
-        paths=paths,
-        host_cache=host_cache,
-        subgroup_size=args.subgroup_size,
-        master_dtype=jnp.float32,
-    )
-    losses = [float(value)]
-    try:
-        with warmup:
-            state = offload.init(params)
-        plan = offload.offloader.plan
-        print(
-            f"{num_layers} layers of {args.width}×{args.width}: {num_params:,} bfloat16 params "
-            f"({format_bytes(2 * num_params)}); AdamW state with fp32 master {format_bytes(plan.state_nbytes)} "
-            f"in {len(plan.subgroups)} subgroups on {len(paths)} path(s), host cache {format_bytes(host_cache)}; "
-            f"glibc mmap threshold {args.malloc_mmap_threshold if tuned else 'left at its default'}"
+        offload = jax_mlp.mlp_offload(
+            optax.adamw(args.lr, weight_decay=0.0),
+            paths=paths,
+            host_cache=host_cache,
+            subgroup_size=args.subgroup_size,
+            master_dtype=jnp.float32,
         )
-        for step in range(args.steps):
-            # Only the offloader's calls are sampled: forward and backward have their own peaks. The
-            # first update compiles (XLA's compiler takes memory for a moment); later ones are steady.
-            with warmup if step == 0 else steady:
-                updates, state = offload.update(grads, state, params)
-                jax.block_until_ready(updates)
-            grads = None  # freed before the next grads are computed
-            params = apply(params, updates)
-            del updates
-            value, grads = grad_fn(params, jax.random.normal(jax.random.fold_in(data_key, step), (BATCH, args.width)))
-            losses.append(float(value))
+        losses = [float(value)]
+        try:
+            with warmup:
+                state = offload.init(params)
+            plan = offload.offloader.plan
             print(
-                f"step {step + 1}: loss {losses[-1]:.5f}, update {offload.stats.seconds:.2f} s, "
-                f"peak RSS {format_bytes((warmup if step == 0 else steady).peak)}"
+                f"{num_layers} layers of {args.width}×{args.width}: {num_params:,} bfloat16 params "
+                f"({format_bytes(2 * num_params)}); AdamW state with fp32 master {format_bytes(plan.state_nbytes)} "
+                f"in {len(plan.subgroups)} subgroups on {len(paths)} path(s), host cache {format_bytes(host_cache)}; "
+                f"glibc mmap threshold {args.malloc_mmap_threshold if tuned else 'left at its default'}"
             )
-        stats = offload.stats
-    finally:
-        offload.close(delete=temp_dir is not None)
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            for step in range(args.steps):
+                # Only the offloader's calls are sampled: forward and backward have their own peaks. The
+                # first update compiles (XLA's compiler takes memory for a moment); later ones are steady.
+                with warmup if step == 0 else steady:
+                    updates, state = offload.update(grads, state, params)
+                    jax.block_until_ready(updates)
+                grads = None  # freed before the next grads are computed
+                params = apply(params, updates)
+                del updates
+                value, grads = grad_fn(
+                    params, jax.random.normal(jax.random.fold_in(data_key, step), (BATCH, args.width))
+                )
+                losses.append(float(value))
+                print(
+                    f"step {step + 1}: loss {losses[-1]:.5f}, update {offload.stats.seconds:.2f} s, "
+                    f"peak RSS {format_bytes((warmup if step == 0 else steady).peak)}"
+                )
+            stats = offload.stats
+        finally:
+            offload.close(delete=temporary)
 
     state_bytes = plan.state_nbytes
     updates_bytes = 4 * num_params  # fp32, the master dtype

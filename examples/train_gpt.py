@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import shutil
 import statistics
 import string
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -43,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from offload_options import add_offload_arguments, state_paths
 from tqdm import tqdm
 
 import jax_mlp
@@ -358,16 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=500, help="training steps")
-    parser.add_argument(
-        "--paths",
-        nargs="+",
-        default=None,
-        help="directories for the offloaded optimizer state, e.g. one on NVMe and one on a parallel file system "
-        "(new or empty). Default: two sub-directories of a temporary directory, removed at the end",
-    )
-    parser.add_argument("--host-cache", default="2MiB", help="host RAM that may hold state records between updates")
-    parser.add_argument("--subgroup-size", default="512KiB", help="bytes of optimizer state streamed at a time")
+    add_offload_arguments(parser, steps=500, host_cache="2MiB", subgroup_size="512KiB")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
     parser.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -404,23 +394,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """
     args = parse_args(argv)
     tokens = encode(build_corpus())
-    temp_dir = tempfile.mkdtemp(prefix="jax_mlp_gpt_") if args.paths is None else None
-    paths = args.paths or [f"{temp_dir}/path0", f"{temp_dir}/path1"]
-    offload = jax_mlp.mlp_offload(
-        make_adamw(args),
-        paths=paths,
-        host_cache=args.host_cache,
-        subgroup_size=args.subgroup_size,
-        log_to=args.log_to,
-    )
-    try:
-        run = train(args, tokens, offload)
-        stats = offload.stats
-        plan = offload.offloader.plan
-    finally:
-        offload.close(delete=temp_dir is not None)
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with state_paths(args.paths, count=2, prefix="jax_mlp_gpt_") as (paths, temporary):
+        offload = jax_mlp.mlp_offload(
+            make_adamw(args),
+            paths=paths,
+            host_cache=args.host_cache,
+            subgroup_size=args.subgroup_size,
+            log_to=args.log_to,
+        )
+        try:
+            run = train(args, tokens, offload)
+            stats = offload.stats
+            plan = offload.offloader.plan
+        finally:
+            offload.close(delete=temporary)
 
     num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(nnx.state(run.model, nnx.Param)))
     tokens_per_s = args.steps * args.batch_size * args.seq_len / run.seconds

@@ -20,9 +20,7 @@ It exits with status 1 if the final loss is not at least 30% below the initial l
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from typing import Any
 
 import flax.linen as nn
@@ -30,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
+from offload_options import add_offload_arguments, state_paths
 
 import jax_mlp
 
@@ -74,16 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
-    parser.add_argument(
-        "--paths",
-        nargs="+",
-        default=None,
-        help="directories for the offloaded state (new or empty). Default: two sub-directories of a temporary "
-        "directory, removed at the end",
-    )
-    parser.add_argument("--host-cache", default="256KiB", help="host RAM that may hold state records")
-    parser.add_argument("--subgroup-size", default="64KiB", help="bytes of optimizer state streamed at a time")
+    add_offload_arguments(parser, steps=300, host_cache="256KiB", subgroup_size="64KiB")
     parser.add_argument("--hidden", type=int, default=256, help="width of the MLP")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init and the data")
@@ -105,39 +95,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       ``stats`` (the last update's ``UpdateStats.as_dict()``).
     """
     args = parse_args(argv)
-    temp_dir = tempfile.mkdtemp(prefix="jax_mlp_linen_") if args.paths is None else None
-    paths = args.paths or [f"{temp_dir}/path0", f"{temp_dir}/path1"]
-    init_key, data_key, eval_key = jax.random.split(jax.random.key(args.seed), 3)
-    model = MLP(args.hidden)
-    eval_x = jax.random.normal(eval_key, (EVAL_SIZE, IN_FEATURES))
-    eval_y = teacher(eval_x)
-    offload = jax_mlp.mlp_offload(
-        optax.adamw(args.lr, weight_decay=1e-4),
-        paths=paths,
-        host_cache=args.host_cache,
-        subgroup_size=args.subgroup_size,
-    )
-    try:
-        # Global transformations go before mlp_offload, which sees one subgroup of params at a time.
-        state = TrainState.create(
-            apply_fn=model.apply,
-            params=model.init(init_key, eval_x[:1])["params"],
-            tx=optax.chain(optax.clip_by_global_norm(1.0), offload),
+    with state_paths(args.paths, count=2, prefix="jax_mlp_linen_") as (paths, temporary):
+        init_key, data_key, eval_key = jax.random.split(jax.random.key(args.seed), 3)
+        model = MLP(args.hidden)
+        eval_x = jax.random.normal(eval_key, (EVAL_SIZE, IN_FEATURES))
+        eval_y = teacher(eval_x)
+        offload = jax_mlp.mlp_offload(
+            optax.adamw(args.lr, weight_decay=1e-4),
+            paths=paths,
+            host_cache=args.host_cache,
+            subgroup_size=args.subgroup_size,
         )
-        initial_loss = float(mse(state.params, model.apply, eval_x, eval_y))
-        print(f"initial eval loss {initial_loss:.4f}")
-        for step in range(1, args.steps + 1):
-            x = jax.random.normal(jax.random.fold_in(data_key, step), (BATCH_SIZE, IN_FEATURES))
-            loss, grads = grads_of(state, x, teacher(x))
-            state = state.apply_gradients(grads=grads)  # eager: tx.update streams the offloaded state
-            if step % args.log_every == 0 or step == args.steps:
-                print(f"step {step:5d}  train loss {float(loss):.4f}  update {offload.stats.seconds * 1e3:.1f} ms")
-        final_loss = float(mse(state.params, model.apply, eval_x, eval_y))
-        stats = offload.stats
-    finally:
-        offload.close(delete=temp_dir is not None)
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        try:
+            # Global transformations go before mlp_offload, which sees one subgroup of params at a time.
+            state = TrainState.create(
+                apply_fn=model.apply,
+                params=model.init(init_key, eval_x[:1])["params"],
+                tx=optax.chain(optax.clip_by_global_norm(1.0), offload),
+            )
+            initial_loss = float(mse(state.params, model.apply, eval_x, eval_y))
+            print(f"initial eval loss {initial_loss:.4f}")
+            for step in range(1, args.steps + 1):
+                x = jax.random.normal(jax.random.fold_in(data_key, step), (BATCH_SIZE, IN_FEATURES))
+                loss, grads = grads_of(state, x, teacher(x))
+                state = state.apply_gradients(grads=grads)  # eager: tx.update streams the offloaded state
+                if step % args.log_every == 0 or step == args.steps:
+                    print(f"step {step:5d}  train loss {float(loss):.4f}  update {offload.stats.seconds * 1e3:.1f} ms")
+            final_loss = float(mse(state.params, model.apply, eval_x, eval_y))
+            stats = offload.stats
+        finally:
+            offload.close(delete=temporary)
     print(f"initial eval loss  {initial_loss:.4f}")
     print(f"final eval loss    {final_loss:.4f}  ({(1 - final_loss / initial_loss) * 100:.1f}% lower)")
     print(stats.summary())

@@ -28,9 +28,12 @@ import tensorstore as ts
 
 from jax_mlp import partition
 from jax_mlp.engine import Engine
+from jax_mlp.errors import OffloadError, RecordError
+from jax_mlp.inputs import check_tree
+from jax_mlp.offloader import Offloader, OffloadState
 from jax_mlp.partition import Plan, Subgroup
-from jax_mlp.tiers import OffloadError, Pin, RecordError
-from jax_mlp.transform import Offloader, OffloadState, OffloadTransformation
+from jax_mlp.storage.tier_stack import Pin
+from jax_mlp.transform import OffloadTransformation
 
 if TYPE_CHECKING:
     from etils import epath
@@ -528,7 +531,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
             "restore them from a checkpoint"
         )
     _refuse_sharded(plan, "restore_params of")
-    likes = _check_like(plan, params_like)
+    likes = check_tree(plan, params_like, "params_like", check_dtype=True)
     values: list[Any] = [None] * len(plan.leaves)
 
     def convert(index: int, fetched: tuple) -> None:
@@ -551,16 +554,3 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         pin.release()
     placed = [jax.device_put(v, getattr(like, "sharding", None)) for v, like in zip(values, likes, strict=True)]
     return jax.tree_util.tree_unflatten(plan.treedef, placed)
-
-
-def _check_like(plan: Plan, params_like: Any) -> list:
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_like)
-    if treedef != plan.treedef:
-        raise ValueError("params_like does not have the tree structure of the params the offload was initialised with")
-    for (path, like), spec in zip(path_leaves, plan.leaves, strict=True):
-        if tuple(like.shape) != spec.shape or np.dtype(like.dtype) != spec.dtype:
-            raise ValueError(
-                f"params_like leaf {jax.tree_util.keystr(path)} is {like.dtype}{list(like.shape)}, but the offload "
-                f"was initialised with {spec.dtype}{list(spec.shape)}"
-            )
-    return [like for _, like in path_leaves]

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 from jax_mlp import model
 from jax_mlp.config import Path, parse_rate, parse_size
+from jax_mlp.errors import OffloadError
 from jax_mlp.model import PathSpeed
-from jax_mlp.tiers import OffloadError
 
 PROG = "jax-mlp"
 
@@ -105,7 +105,7 @@ def _seconds(value: float) -> str:
 
 def probe_command(args: argparse.Namespace) -> int:
     """``jax-mlp probe``: measures each path's bandwidth through the tier code."""
-    from jax_mlp.probe import probe
+    from jax_mlp.storage.probe import probe
 
     total, record = parse_size(args.size, name="--size"), parse_size(args.record, name="--record")
     print(f"{'path':<40} {'write':>12} {'read':>12}")

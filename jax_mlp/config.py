@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -150,35 +151,41 @@ def as_path(path: str | os.PathLike | dict | Path) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Everything that configures one ``mlp_offload``; checked once, here.
+    """Everything that configures one ``mlp_offload``: the one place its options are defined and checked.
+
+    Human values are accepted and normalised once, here: a path-like or a list of them, sizes such
+    as ``"8GiB"``, ``node_lock=True``. ``mlp_offload`` takes these same fields as keywords, and its
+    docstring lists them from the one below.
 
     Attributes:
-      paths: the storage paths (node-local NVMe, a PFS directory, a kvstore spec, ...), with their caps.
-      host_cache: bytes of host RAM that may hold records between updates (0 disables it).
-      subgroup_size: target bytes of optimizer state (plus master params) per subgroup.
-      prefetch_depth: how many subgroups are read ahead of the one being updated.
-      write_depth: how many subgroups may be in flight to the paths behind the update.
-      master_dtype: dtype of a master copy of the params kept in the tiers, or None.
-      io_timeout: seconds after which a single read or write counts as hung and raises.
-      peer_timeout: with several ``jax.distributed`` processes, seconds an update waits for the
-        slowest peer to finish the same step before it raises (a peer died or hangs); inside jit,
-        also how long each device's callback waits for the other devices' and for the update.
-      order: ``"alternate"`` (ascending, then descending: the cache-friendly order) or ``"ascending"``.
-      flush: ``"idle"`` writes dirty cached records back between updates; ``"lazy"`` only at eviction,
-        ``flush()``, checkpoint or close (the paper's behaviour).
-      placement: ``"bandwidth"`` splits subgroups over paths in proportion to their bandwidth;
-        ``"round_robin"`` splits them equally (a fixed ratio, as in the paper).
-      rebalance: move subgroups towards faster paths when measured throughputs drift apart.
+      paths: one or more directories (node-local NVMe, a parallel file system) for the state records;
+        a path may also be a tensorstore kvstore spec dict, e.g. ``{"driver": "gcs", "bucket": ..., "path": ...}``,
+        or a :class:`Path` with bandwidth caps or declared bandwidths. Stored as a tuple of :class:`Path`.
+      host_cache: host RAM for records kept between updates, e.g. ``"8GiB"``; 0 disables the cache.
+      subgroup_size: bytes of state (plus master params) streamed at once, e.g. ``"256MiB"``.
+      prefetch_depth: subgroups read ahead of the one being updated.
+      write_depth: subgroups whose writes may trail behind the update.
+      master_dtype: if set (e.g. ``jnp.float32``), an fp32 master copy of low-precision params is kept
+        in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly ``master.astype(params.dtype)``.
+      io_timeout: seconds a single record read or write may take before the update fails.
+      peer_timeout: with several ``jax.distributed`` processes, seconds an update (or ``init``)
+        waits for every peer to finish the same step; past it, the update raises: a peer died or hangs.
+        Inside jit, also how long each device's callback waits for the other devices' and for the update.
+      order: ``"alternate"`` (cache-friendly: ascending, then descending) or ``"ascending"``.
+      flush: ``"idle"`` writes dirty cached records back between updates, so the paths always hold a
+        complete step; ``"lazy"`` writes them only at eviction, ``flush()``, checkpoint or close.
+      placement: ``"bandwidth"`` splits subgroups over paths by bandwidth; ``"round_robin"`` equally.
+      rebalance: move subgroups to faster paths when measured throughputs drift apart.
       idle_prefetch: read the next update's first uncached records between updates.
-      probe: measure each path's bandwidth at ``init`` (declared bandwidths win).
-      max_inflight: record reads and writes in flight at once on one path, in this process.
-      node_lock: a node-local directory for cross-process locks: then only one process of the node
-        reads or writes a given path at a time. None disables the lock.
+      probe: measure each path's bandwidth at ``init`` (64 MiB each); declared bandwidths win.
+      max_inflight: record transfers in flight at once per path, in this process.
+      node_lock: ``True`` (or a node-local directory) to let only one process of a node use a given
+        path at a time. Stored as the lock directory, or None.
     """
 
-    paths: tuple[Path, ...]
-    host_cache: int = 0
-    subgroup_size: int = 64 * 1024**2
+    paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path
+    host_cache: int | str = 0
+    subgroup_size: int | str = "64MiB"
     prefetch_depth: int = 2
     write_depth: int = 2
     master_dtype: Any = None
@@ -191,9 +198,30 @@ class OffloadConfig:
     idle_prefetch: bool = True
     probe: bool = False
     max_inflight: int = 4
-    node_lock: str | None = None
+    node_lock: bool | str | os.PathLike | None = False
 
     def __post_init__(self) -> None:
+        self._normalise()
+        self._validate()
+
+    def _normalise(self) -> None:
+        paths = self.paths
+        if isinstance(paths, (str, os.PathLike, dict, Path)):
+            paths = [paths]
+        node_lock = self.node_lock
+        if node_lock is True:
+            node_lock = os.path.join(tempfile.gettempdir(), "jax_mlp-locks")
+        normalised = {
+            "paths": tuple(as_path(p) for p in paths),
+            "host_cache": parse_size(self.host_cache, name="host_cache"),
+            "subgroup_size": parse_size(self.subgroup_size, name="subgroup_size"),
+            "master_dtype": None if self.master_dtype is None else np.dtype(self.master_dtype),
+            "node_lock": os.fspath(node_lock) if node_lock else None,
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    def _validate(self) -> None:
         if not self.paths:
             raise ValueError("paths is empty: give at least one directory for the offloaded state")
         seen: dict[str, str] = {}
@@ -224,29 +252,12 @@ class OffloadConfig:
             raise ValueError(f"master_dtype must be a floating dtype such as jnp.float32, got {self.master_dtype}")
 
     @classmethod
-    def create(
-        cls,
-        paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | Path,
-        *,
-        host_cache: int | str = 0,
-        subgroup_size: int | str = "64MiB",
-        node_lock: bool | str | os.PathLike = False,
-        **options: Any,
-    ) -> OffloadConfig:
-        """Builds a config from user-facing values: path-likes, human sizes and ``node_lock=True``.
+    def create(cls, paths: Any, **options: Any) -> OffloadConfig:
+        """The same as ``OffloadConfig(paths, **options)``, kept for code written against version 0.1."""
+        return cls(paths, **options)
 
-        ``options`` are the other fields, as :func:`jax_mlp.mlp_offload` documents them.
-        """
-        if isinstance(paths, (str, os.PathLike, dict, Path)):
-            paths = [paths]
-        if options.get("master_dtype") is not None:
-            options["master_dtype"] = np.dtype(options["master_dtype"])
-        if node_lock is True:
-            node_lock = os.path.join(tempfile.gettempdir(), "jax_mlp-locks")
-        return cls(
-            paths=tuple(as_path(p) for p in paths),
-            node_lock=os.fspath(node_lock) if node_lock else None,
-            host_cache=parse_size(host_cache, name="host_cache"),
-            subgroup_size=parse_size(subgroup_size, name="subgroup_size"),
-            **options,
-        )
+    @classmethod
+    def options_doc(cls) -> str:
+        """The "Attributes" section of this docstring: the options' documentation, for ``mlp_offload``'s."""
+        text = inspect.cleandoc(cls.__doc__ or "")
+        return text[text.index("Attributes:\n") + len("Attributes:\n") :]

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from jax_mlp.tiers import OffloadError
+from jax_mlp.errors import OffloadError
 
 
 class Timings(NamedTuple):

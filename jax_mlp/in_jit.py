@@ -14,6 +14,8 @@ pools need a spare thread per device besides (:func:`jit_layout` checks both).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 import threading
@@ -27,7 +29,13 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mlp.tiers import OffloadError
+from jax_mlp import kernels
+from jax_mlp.errors import OffloadError
+from jax_mlp.partition import Piece, Plan
+from jax_mlp.placement import BlockKey, LeafPlacement
+from jax_mlp.step import IN_CALLBACK, Blocks, StateStream
+
+logger = logging.getLogger(__name__)
 
 
 class JitLayout(NamedTuple):
@@ -231,3 +239,102 @@ class Rendezvous:
         if error is not None:
             raise error
         return result
+
+
+class JitRoute:
+    """The in-jit route of one offloader: the layout it runs on, or the reason it cannot.
+
+    Made at ``init``; :meth:`trace` is what ``update`` becomes when traced. A layout that would not
+    run is only refused when the route is taken, since most users never trace ``update``.
+
+    Args:
+      plan: the subgroups.
+      placement: the leaves' shardings and owned shards.
+      leaves: the params given to ``init``.
+      stream: runs each step's update, on the host CPU device.
+      peer_timeout: seconds each device's callback waits for the others and for the update.
+    """
+
+    def __init__(
+        self, plan: Plan, placement: LeafPlacement, leaves: Sequence[Any], stream: StateStream, peer_timeout: float
+    ):
+        self._plan = plan
+        self._stream = stream
+        self._failure: str | None = None
+        self._unusable: str | None = None
+        self.layout: JitLayout | None = None
+        try:
+            self.layout = jit_layout([spec.path for spec in plan.leaves], leaves)
+        except ValueError as error:
+            self._unusable = str(error)
+            return
+        devices = self.layout.mesh.local_devices
+        self._keys = placement.block_keys(plan, devices)
+        self._rendezvous = Rendezvous(len(devices), peer_timeout)
+
+    def trace(self, grads: Sequence[jax.Array], params: Sequence[jax.Array] | None, step: jax.Array) -> list:
+        """Traces one update as a host callback per device; returns the update leaves, sharded as the params.
+
+        Raises:
+          ValueError: the params' layout cannot run inside jit; the message says what to change.
+        """
+        if self.layout is None:
+            raise ValueError(self._unusable)
+        shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
+        out_blocks = [
+            jax.ShapeDtypeStruct(shape, kernels.update_dtype(self._plan, i)) for i, shape in enumerate(shapes)
+        ]
+        return host_update(self.layout, self._on_device, grads, params, step, out_blocks)
+
+    def _on_device(self, step: np.ndarray, device_index: np.ndarray, *blocks: np.ndarray) -> list[np.ndarray]:
+        """One device's host callback: meets the others, then returns its blocks of the updates."""
+        device = self.layout.mesh.devices.flat[int(device_index)]
+        results = self._rendezvous.meet(int(step), device.id, blocks, functools.partial(self._on_host, int(step)))
+        return [results[key] for key in self._keys[device.id]]
+
+    def _on_host(self, step: int, blocks_by_device: dict[int, Sequence[np.ndarray]]) -> dict[BlockKey, np.ndarray]:
+        """The whole update on the host CPU backend, with every device's grad (and param) blocks.
+
+        Runs in the callback of the last device to arrive. An error leaves step ``step`` intact and
+        this route refusing further updates (the jitted caller cannot roll back with it): close the
+        offloader and reopen it with ``resume=True``.
+
+        Returns:
+          Each owned block's update as a numpy array, by (leaf, owner device id).
+        """
+        if self._failure is not None:
+            raise OffloadError(
+                f"an earlier in-jit update of this mlp_offload failed ({self._failure}); its step is intact "
+                "on storage: close this mlp_offload and create it again with resume=True"
+            )
+        n, host = len(self._plan.leaves), self.layout.host
+        whole = next(iter(blocks_by_device))  # the device of leaves on one device (a one-device mesh)
+
+        @functools.cache
+        def on_host(device: int, index: int) -> jax.Array:  # only owners' blocks are used
+            return jax.device_put(blocks_by_device[device][index], host)
+
+        def block_of(offset: int) -> Callable[[Piece], jax.Array]:
+            return lambda p: on_host(whole if p.device is None else p.device, offset + p.leaf)
+
+        has_params = len(blocks_by_device[whole]) > n
+        blocks = Blocks(block_of(0), block_of(n) if has_params else None, lambda _: host)
+        try:
+            with jax.default_device(host):
+                results = self._stream.run_step(step, blocks, IN_CALLBACK)
+        except BaseException as error:
+            self._failure = f"{type(error).__name__}: {error}"
+            raise
+        return {key: np.asarray(value) for key, value in results.items()}  # this thread waits: see step.IN_CALLBACK
+
+    def settle(self) -> None:
+        """Waits for the jitted updates still queued on the devices, so none meets closed tiers.
+
+        A failed one has raised in its own results already; here it only must not stop the close.
+        """
+        if self.layout is None:
+            return
+        try:
+            jax.effects_barrier()
+        except Exception:
+            logger.debug("a jitted update failed before close; its results carry the error", exc_info=True)

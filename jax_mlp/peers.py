@@ -12,11 +12,7 @@ from __future__ import annotations
 import jax
 from jax._src import distributed
 
-from jax_mlp.tiers import OffloadError
-
-
-class PeerError(OffloadError):
-    """Another ``jax.distributed`` process did not reach the same point in time: it died or hangs."""
+from jax_mlp.errors import PeerError
 
 
 def _client():

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
-from jax_mlp.tiers import Usage
+from jax_mlp.storage.traffic import Usage
 
 _SMOOTHING = 0.5
 _RESET_RATIO = 1.5

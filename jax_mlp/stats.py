@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -223,6 +224,52 @@ class IOCounters:
             events = list(self._events)
         shifted = (e._replace(start=e.start - origin, end=e.end - origin) for e in events)
         return tuple(sorted(shifted, key=lambda e: e.start))
+
+
+def update_stats(
+    step: int,
+    timings: Any,
+    extra_wait: float,
+    counters: IOCounters,
+    compiles: int,
+    total_compiles: int,
+    locations: Mapping[int, int],
+    paths: Sequence[str],
+    speeds: Sequence[Any],
+) -> UpdateStats:
+    """The stats of one call, from what its pipeline run and its counters measured.
+
+    Args:
+      step: the step the call produced.
+      timings: the pipeline run's :class:`~jax_mlp.engine.Timings`.
+      extra_wait: seconds waited before the run for the previous call's idle-time writes.
+      counters: the call's counters (read before they are reset).
+      compiles: XLA compilations of this call; ``total_compiles`` of all calls so far.
+      locations: the path index of each subgroup's newest stored record.
+      paths: the paths' names, in index order.
+      speeds: the scheduler's :class:`~jax_mlp.model.PathSpeed` per path.
+    """
+    started = time.perf_counter() - timings.total - extra_wait
+    stored = collections.Counter(locations.values())
+    return UpdateStats(
+        step=step,
+        seconds=timings.total + extra_wait,
+        read_wait_s=timings.read_wait,
+        compute_s=timings.compute,
+        write_wait_s=timings.write_wait + extra_wait,
+        bytes_read=dict(counters.bytes_read),
+        bytes_written=dict(counters.bytes_written),
+        cache_hits=counters.cache_hits,
+        cache_misses=counters.cache_misses,
+        compiles=compiles,
+        total_compiles=total_compiles,
+        events=counters.events_since(started),
+        placement={path: stored[i] for i, path in enumerate(paths)},
+        bandwidth={
+            path: {"read": speed.read_bandwidth, "write": speed.write_bandwidth}
+            for path, speed in zip(paths, speeds, strict=True)
+        },
+    )
 
 
 def log_line(stats: UpdateStats) -> dict[str, Any]:

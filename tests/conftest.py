@@ -75,6 +75,19 @@ def run_optax(inner, params, steps: int, *, jit: bool):
     return params
 
 
+def train(optimizer, params, state, steps):
+    """Applies ``optimizer``'s updates (plain optax or mlp_offload) for the gradients of ``steps``."""
+    for step in steps:
+        updates, state = optimizer.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def abstract(tree):
+    """Each leaf's ``jax.ShapeDtypeStruct``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
 def run_offload(inner, params, steps: int, paths, *, reopen_at: int | None = None, **options):
     """The same training with mlp_offload; optionally closes and resumes the tiers at ``reopen_at``."""
     tx = jax_mlp.mlp_offload(inner, paths=paths, **options)

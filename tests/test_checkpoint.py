@@ -15,10 +15,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_same_bits, decay_mask, grads_at, make_params, max_relative_deviation
+from conftest import abstract, assert_same_bits, decay_mask, grads_at, make_params, max_relative_deviation, train
 
 import jax_mlp
-from jax_mlp.tiers import PathStore
+from jax_mlp.storage.paths import PathStore
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = {"subgroup_size": "16KiB", "host_cache": "40KiB"}  # splits "big" into row chunks; a partial cache
@@ -27,24 +27,6 @@ TOLERANCE = 1e-5  # per leaf, relative to the largest |param|: the core issue's 
 
 # One optimizer object for the module: compiled subgroup updates are cached per object.
 INNER = optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
-
-
-def abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
-def train_offloaded(tx, params, state, steps):
-    for step in steps:
-        updates, state = tx.update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
-
-
-def train_plain(optimizer, params, state, steps):
-    for step in steps:
-        updates, state = optimizer.update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
 
 
 def restore(directory, step, opt_args, params_like):
@@ -62,7 +44,8 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from test_checkpoint import abstract, grads_at, INNER, make_params, restore, train_offloaded, train_plain
+    from conftest import abstract, grads_at, make_params, train
+    from test_checkpoint import INNER, restore
 
     root = sys.argv[2]
     like = abstract(make_params())
@@ -71,14 +54,14 @@ CHILD = textwrap.dedent(
         tx = jax_mlp.mlp_offload(INNER, **options)
         params, state = restore(directory, 5, jax_mlp.OffloadRestore(tx, like), like)
         assert int(state.step) == step, state
-        params, _ = train_offloaded(tx, params, state, range(5, 10))
+        params, _ = train(tx, params, state, range(5, 10))
         tx.close()
         return params
 
     def plain(directory):
         layout = jax_mlp.standard_layout(INNER, like)
         params, state = restore(directory, 5, ocp.args.StandardRestore(layout), like)
-        return train_plain(INNER, params, state, range(5, 10))[0]
+        return train(INNER, params, state, range(5, 10))[0]
 
     results = {
         "same_plan": offloaded(f"{root}/offloaded", 5, paths=[f"{root}/new"], subgroup_size="16KiB", host_cache="40KiB"),
@@ -100,22 +83,22 @@ def test_a_checkpoint_restores_in_a_new_process_bitwise_and_into_and_from_plain_
     with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
         state = tx.init(params)
         assert any(p.rows is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces), "a leaf is split"
-        params, state = train_offloaded(tx, params, state, range(5))
+        params, state = train(tx, params, state, range(5))
         args = ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
         manager.save(5, args=args)
-        offloaded, _ = train_offloaded(tx, params, state, range(5, 10))  # while the save streams out
+        offloaded, _ = train(tx, params, state, range(5, 10))  # while the save streams out
     tx.close()
 
     plain_params = make_params()
     with ocp.CheckpointManager(tmp_path / "plain") as manager:
-        plain_params, plain_state = train_plain(INNER, plain_params, INNER.init(plain_params), range(5))
+        plain_params, plain_state = train(INNER, plain_params, INNER.init(plain_params), range(5))
         manager.save(
             5,
             args=ocp.args.Composite(
                 params=ocp.args.StandardSave(plain_params), opt_state=ocp.args.StandardSave(plain_state)
             ),
         )
-        plain, _ = train_plain(INNER, plain_params, plain_state, range(5, 10))
+        plain, _ = train(INNER, plain_params, plain_state, range(5, 10))
 
     started = time.perf_counter()
     child = subprocess.run(
@@ -149,18 +132,18 @@ def test_master_params_round_trip_and_restore_into_plain_optax(tmp_path):
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], **options)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         state = tx.init(params)
-        params, state = train_offloaded(tx, params, state, range(5))
+        params, state = train(tx, params, state, range(5))
         manager.save(
             5, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
         )
-        offloaded, state = train_offloaded(tx, params, state, range(5, 10))
+        offloaded, state = train(tx, params, state, range(5, 10))
         manager.save(10, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
     tx.close()
 
     like = abstract(params)
     resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], **options)
     restored, state = restore(tmp_path / "ckpt", 5, jax_mlp.OffloadRestore(resumed, like), like)
-    assert_same_bits(train_offloaded(resumed, restored, state, range(5, 10))[0], offloaded)
+    assert_same_bits(train(resumed, restored, state, range(5, 10))[0], offloaded)
     resumed.close()
 
     layout = jax_mlp.standard_layout(optax.adam(1e-2), like, jnp.float32)
@@ -224,7 +207,7 @@ def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path,
     params = make_params()
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], subgroup_size="16KiB")
     state = tx.init(params)
-    params, state = train_offloaded(tx, params, state, range(3))
+    params, state = train(tx, params, state, range(3))
     num_subgroups = len(tx.offloader.plan.subgroups)
     read_done, writes = {}, []
     original_read, original_write = jax_mlp.Offloader.read_pinned, PathStore.write
@@ -249,10 +232,10 @@ def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path,
         blocking = time.perf_counter() - save_started
         params_3 = params
         started = time.perf_counter()
-        params, state = train_offloaded(tx, params, state, [3])  # writes the other slot: must not wait
+        params, state = train(tx, params, state, [3])  # writes the other slot: must not wait
         free_update = time.perf_counter() - started
         started = time.perf_counter()
-        params, state = train_offloaded(tx, params, state, [4])  # overwrites step 3's slot: waits per record
+        params, state = train(tx, params, state, [4])  # overwrites step 3's slot: waits per record
         pinned_update = time.perf_counter() - started
         manager.wait_until_finished()
     save_seconds = max(read_done.values()) - save_started
@@ -267,14 +250,14 @@ def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path,
     assert len(step_5_writes) == num_subgroups
     assert all(step_5_writes[k] >= read_done[k] for k in range(num_subgroups)), "a pinned record was overwritten"
     monkeypatch.undo()
-    expected, _ = train_offloaded(tx, params, state, range(5, 8))
+    expected, _ = train(tx, params, state, range(5, 8))
     tx.close()
 
     like = abstract(params_3)
     resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], subgroup_size="16KiB")
     restored, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(resumed, like), like)
     assert int(state.step) == 3
-    assert_same_bits(train_offloaded(resumed, restored, state, range(3, 8))[0], expected)
+    assert_same_bits(train(resumed, restored, state, range(3, 8))[0], expected)
     resumed.close()
 
 

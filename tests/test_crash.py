@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_same_bits, grads_at, make_params
+from conftest import assert_same_bits, make_params, train
 
 import jax_mlp
-from jax_mlp.tiers import PathStore
+from jax_mlp.storage.paths import PathStore
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = {"subgroup_size": "32KiB", "host_cache": "80KiB", "master_dtype": jnp.float32}
@@ -39,21 +39,16 @@ RESUMES_AT = {"read": KILLED_AT, "compute": KILLED_AT, "write": KILLED_AT, "writ
 INNER = optax.adamw(1e-2, weight_decay=0.1)
 
 
-def train(tx, params, state, steps):
-    for step in steps:
-        updates, state = tx.update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
-
-
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     import jax_mlp
     from jax_mlp.engine import Engine
-    from jax_mlp.tiers import PathStore, TierStack
-    from test_crash import KILLED_AT, OPTIONS, STEPS, INNER, make_params, train
+    from jax_mlp.storage.paths import PathStore
+    from jax_mlp.storage.tier_stack import TierStack
+    from conftest import make_params, train
+    from test_crash import KILLED_AT, OPTIONS, STEPS, INNER
 
     root, point = sys.argv[2], sys.argv[3]
     calls, updating = [], []

@@ -30,7 +30,7 @@ def test_same_math_as_optax_and_bits_independent_of_tiering(name, paths):
     params = make_params()
     # adafactor's factored state is small: a smaller subgroup still gives many subgroups, none split.
     subgroup_size = "4KiB" if name == "adafactor" else SUBGROUP
-    plan = jax_mlp.transform.partition.make_plan(params, inner, jax_mlp.parse_size(subgroup_size))
+    plan = jax_mlp.partition.make_plan(params, inner, jax_mlp.parse_size(subgroup_size))
     split = any(p.rows is not None for sg in plan.subgroups for p in sg.pieces)
     assert len(plan.subgroups) >= 5
     assert split == (name != "adafactor"), "adafactor must run on unsplit leaves; the others on a split leaf"
@@ -129,7 +129,7 @@ def test_apply_updates_gives_exactly_the_master_cast(paths):
     tx.flush()
     offloader = tx.offloader
     for subgroup in offloader.plan.subgroups:
-        _, master = offloader._tiers.fetch(subgroup.index, 3)
+        _, master = offloader.stream.tiers.fetch(subgroup.index, 3)
         for piece, value in zip(subgroup.pieces, master, strict=True):
             leaf = jax.tree.leaves(params)[piece.leaf]
             got = np.asarray(leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]])

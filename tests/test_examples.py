@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the examples import their shared options module, as when run as scripts
 
 
 def load(name: str):
@@ -61,7 +62,7 @@ def test_train_linen_with_train_state_applies_gradients_outside_jit(tmp_path):
 
 def test_big_state_peak_rss_stays_well_below_a_state_four_times_the_cache(tmp_path):
     script = (
-        "import importlib.util, json, sys;"
+        f"import importlib.util, json, sys; sys.path.insert(0, {str(EXAMPLES)!r});"
         f"spec = importlib.util.spec_from_file_location('big_state', {str(EXAMPLES / 'big_state.py')!r});"
         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module);"
         "result = module.main(sys.argv[1:]); result.pop('stats'); print(json.dumps(result))"

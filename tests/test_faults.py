@@ -13,15 +13,15 @@ import re
 import shutil
 import subprocess
 
-import jax
 import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_same_bits, grads_at, make_params
+from conftest import abstract, assert_same_bits, make_params, max_relative_deviation, train
 
 import jax_mlp
-from jax_mlp.tiers import HEADER_SIZE, PathStore, verify
+from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.record import HEADER_SIZE, verify
 
 # A fixed placement, so each fault hits the path it is made on: a rebalancing move could take every
 # record off it, or delete records there and free the space a full disk test has taken.
@@ -42,17 +42,6 @@ def start(paths, **options):
     tx = jax_mlp.mlp_offload(INNER, paths=paths, **{**OPTIONS, **options})
     params = make_params(dtype=jnp.bfloat16)
     return tx, params, tx.init(params)
-
-
-def train(tx, params, state, steps):
-    for step in steps:
-        updates, state = tx.update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
-
-
-def abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +264,19 @@ def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference
     with pytest.raises(jax_mlp.RecordError, match=r"record sg2 is truncated: \d+ of \d+ bytes"):
         verify(store.read(2, 3 % 2), name="sg2", step=3, layout_hash=layout_hash)
     assert_same_bits(resume_and_finish([paths[0]], 2, reference), reference[8])
+
+
+def test_an_init_that_failed_on_a_full_disk_can_be_retried_with_another_tree(tmp_path):
+    """A failed init keeps nothing of its plan: retried with other params, the offload trains those exactly."""
+    inner = optax.adam(1e-2)
+    with tmpfs(tmp_path / "nvme", "1m") as nvme:
+        tx = jax_mlp.mlp_offload(inner, paths=[nvme], subgroup_size="64KiB")
+        too_big = {"w": jnp.ones((512, 256), jnp.float32)}  # 1 MiB of adam state: more than the tmpfs holds
+        with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is full"):
+            tx.init(too_big)
+        shutil.rmtree(nvme / "proc0000")  # the user frees the space
+        params = make_params()
+        params, _ = train(tx, params, tx.init(params), range(3))
+        tx.close()
+    expected, _ = train(inner, make_params(), inner.init(make_params()), range(3))
+    assert max(max_relative_deviation(params, expected).values()) < 1e-5

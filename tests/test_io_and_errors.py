@@ -9,7 +9,8 @@ import pytest
 from conftest import assert_same_bits, grads_at, make_params, max_relative_deviation, run_offload
 
 import jax_mlp
-from jax_mlp.tiers import HEADER_SIZE, PathStore
+from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.record import HEADER_SIZE
 
 SUBGROUP = "16KiB"
 
@@ -48,7 +49,7 @@ def test_with_a_cache_larger_than_the_state_the_second_update_reads_nothing(path
 
 def test_a_partial_cache_is_reused_by_the_alternating_order(paths):
     params = make_params()
-    plan = jax_mlp.transform.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
+    plan = jax_mlp.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
     third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP, host_cache=third)
     state = tx.init(params)

@@ -17,9 +17,10 @@ from conftest import assert_same_bits, grads_at, make_params, run_offload
 import jax_mlp
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
-from jax_mlp.probe import probe
 from jax_mlp.scheduler import Scheduler, weighted_interleave
-from jax_mlp.tiers import HEADER_SIZE, Traffic, Usage
+from jax_mlp.storage.probe import probe
+from jax_mlp.storage.record import HEADER_SIZE
+from jax_mlp.storage.traffic import Traffic, Usage
 
 SUBGROUP = "16KiB"
 
@@ -61,7 +62,7 @@ def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():
 
 def test_ascending_order_never_hits_a_partial_cache_and_alternating_does(paths):
     params = make_params()
-    plan = jax_mlp.transform.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
+    plan = jax_mlp.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
     third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
     hits = {}
     for order, path in (("ascending", paths[0]), ("alternate", paths[1])):
@@ -83,12 +84,12 @@ def test_idle_prefetch_reads_the_next_updates_first_records_once(paths):
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, prefetch_depth=3)
     state = tx.init(params)
     offloader = tx.offloader
-    assert sorted(offloader._prefetched) == sorted(offloader.scheduler.order(0)[:3])
+    assert sorted(offloader.stream.prefetched) == sorted(offloader.scheduler.order(0)[:3])
     record_bytes = sum(HEADER_SIZE + sg.layout.nbytes for sg in offloader.plan.subgroups)
     for step in range(2):
         _, state = tx.update(grads_at(params, step), state, params)
         assert sum(tx.stats.bytes_read.values()) == record_bytes, "prefetched records are not read again"
-        assert sorted(offloader._prefetched) == sorted(offloader.scheduler.order(step + 1)[:3])
+        assert sorted(offloader.stream.prefetched) == sorted(offloader.scheduler.order(step + 1)[:3])
     tx.close()
 
 
@@ -193,7 +194,7 @@ LOCK_CHILD = textwrap.dedent(
     state = tx.init(params)
     for step in range(3):
         _, state = tx.update(jax.tree.map(lambda p: p * 0.1 + step, params), state, params)
-    intervals = list(tx.offloader._tiers.paths[0].traffic.intervals)
+    intervals = list(tx.offloader.stream.tiers.paths[0].traffic.intervals)
     tx.close()
     print(json.dumps(intervals))
     """

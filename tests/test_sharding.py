@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_mlp
-from jax_mlp.tiers import HEADER_SIZE
+from jax_mlp.storage.record import HEADER_SIZE
 
 TOLERANCE = 1e-5
 

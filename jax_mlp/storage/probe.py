@@ -17,7 +17,8 @@ import numpy as np
 
 from jax_mlp.config import Path
 from jax_mlp.model import PathSpeed
-from jax_mlp.tiers import PathStore, new_record, open_path, seal
+from jax_mlp.storage.paths import PathStore, open_path
+from jax_mlp.storage.record import new_record, seal
 
 PROBE_DIRECTORY = ".jax_mlp_probe"
 
@@ -44,7 +45,7 @@ def _scratch(path: Path) -> Path:
     return Path(scratch, max_read=path.max_read, max_write=path.max_write)
 
 
-def _drop_page_cache(directory: str) -> None:
+def drop_page_cache(directory: str) -> None:
     for root, _, files in os.walk(directory):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -84,9 +85,28 @@ def probe(
     try:
         written = _timed(store, [lambda k=k: store.write(k, 0, record) for k in range(count)], inflight)
         if not isinstance(path.location, dict):
-            _drop_page_cache(store.directory)
+            drop_page_cache(store.directory)
         read = _timed(store, [lambda k=k: store.read(k, 0) for k in range(count)], inflight)
     finally:
         store.remove()
     nbytes = count * record.nbytes
     return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes)
+
+
+DEFAULT_BANDWIDTH = 1e9
+"""Bytes/s assumed for a path with nothing declared, probed or capped: measurement corrects it."""
+INIT_PROBE_BYTES = 64 * 1024**2
+
+
+def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
+    """A path's bandwidths before any update: declared, else probed (if asked), else its caps.
+
+    With none of these, every path starts equal; measurement while running corrects it.
+    """
+    read, write = path.read_bandwidth, path.write_bandwidth
+    if (read is None or write is None) and run_probe:
+        measured = probe(path, total_bytes=INIT_PROBE_BYTES)
+        read, write = read or measured.read_bandwidth, write or measured.write_bandwidth
+    read = read or path.max_read or write or path.max_write or DEFAULT_BANDWIDTH
+    write = write or path.max_write or read
+    return PathSpeed(path.name, read, write)

@@ -1,0 +1,22 @@
+"""The errors jax_mlp raises: one root, so ``except jax_mlp.OffloadError`` catches every one of them.
+
+Each message names the leaf, path, record or peer at fault and says what to do.
+"""
+
+
+class OffloadError(RuntimeError):
+    """Base class of jax_mlp's errors; raised itself for misuse (a stale opt_state, use after close, a
+    directory of another run, an optimizer that cannot run exactly) and for I/O that exceeds ``io_timeout``."""
+
+
+class PathError(OffloadError):
+    """A storage path is missing, unwritable, full or gone."""
+
+
+class RecordError(OffloadError):
+    """Stored state failed its checks: a record torn, corrupt, or from another step, run or layout;
+    a run of another layout on resume; or no step complete on every subgroup."""
+
+
+class PeerError(OffloadError):
+    """Another ``jax.distributed`` process did not reach the same point in time: it died or hangs."""

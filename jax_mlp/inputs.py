@@ -1,0 +1,97 @@
+"""Input checks: the trees a user hands in, against the plan made at ``init``.
+
+One validator serves ``update`` (grads and params) and the checkpoint helpers (``params_like``),
+so every mismatch is reported alike: which leaves are missing or unexpected, which leaf has the
+wrong shape or dtype, and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mlp.partition import Plan
+
+
+def as_arrays(tree: Any) -> Any:
+    """Strips flax NNX ``Variable`` wrappers, as ``nnx.Optimizer`` does before ``tx.update``.
+
+    ``nnx.Optimizer`` calls ``init`` on a state of Variables but ``update`` on plain arrays; the plan
+    is made on the arrays so both calls see one tree. flax is only consulted if already imported.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    return nnx.as_pure(tree) if nnx is not None and hasattr(nnx, "as_pure") else tree
+
+
+def is_traced(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is a tracer (the call is inside jit or another transformation)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def check_has_leaves(params: Any) -> None:
+    """Refuses a tree with no leaves: there would be nothing to offload."""
+    if not jax.tree_util.tree_leaves(params):
+        raise ValueError("params has no leaves: there is no optimizer state to offload")
+
+
+def _structure_mismatch(path_leaves: list, plan: Plan) -> str:
+    names = {jax.tree_util.keystr(p) for p, _ in path_leaves}
+    expected = {spec.path for spec in plan.leaves}
+    missing, extra = sorted(expected - names), sorted(names - expected)
+    detail = f"missing leaves {missing[:5]}" if missing else ""
+    detail += ("; " if detail and extra else "") + (f"unexpected leaves {extra[:5]}" if extra else "")
+    return detail or "the containers differ"
+
+
+def check_tree(plan: Plan, tree: Any, name: str, *, check_dtype: bool) -> list:
+    """The leaves of ``tree``, checked against the params given to ``init``.
+
+    Args:
+      plan: the plan made at ``init``.
+      tree: grads, params, or their ``jax.ShapeDtypeStruct``s.
+      name: what ``tree`` is, for the error ("grads", "params", "params_like").
+      check_dtype: whether each leaf must have the param's dtype (grads may have any float dtype).
+
+    Returns:
+      The leaves, as given.
+
+    Raises:
+      ValueError: the structure, a shape or a dtype differs, or a leaf is not floating point.
+    """
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if treedef != plan.treedef:
+        raise ValueError(
+            f"the {name} tree does not match the params tree given to init: {_structure_mismatch(path_leaves, plan)}. "
+            f"Pass {name} with exactly the structure of the params"
+        )
+    leaves = []
+    for (_, leaf), spec in zip(path_leaves, plan.leaves, strict=True):
+        shape = tuple(np.shape(leaf))
+        if shape != spec.shape:
+            raise ValueError(f"{name} leaf {spec.path} has shape {shape}, but the param had shape {spec.shape} at init")
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        if check_dtype and dtype != spec.dtype:
+            raise ValueError(
+                f"{name} leaf {spec.path} has dtype {dtype}, but the param had dtype {spec.dtype} at init ({spec.path} "
+                f"is {dtype}{list(shape)}, expected {spec.dtype}{list(spec.shape)}); the offloaded state was laid out "
+                "for that dtype: keep it, or start a new run"
+            )
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(f"{name} leaf {spec.path} has dtype {dtype}; only floating-point leaves can be optimized")
+        leaves.append(leaf)
+    return leaves
+
+
+def check_update_inputs(plan: Plan, updates: Any, params: Any) -> tuple[list, list | None]:
+    """The grad and param leaves of an ``update`` call as jax arrays (or tracers), checked against the plan."""
+    updates, params = as_arrays(updates), as_arrays(params)
+    grads = [jnp.asarray(x) for x in check_tree(plan, updates, "grads", check_dtype=False)]
+    if params is None and plan.master_dtype is not None:
+        raise ValueError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
+    if params is None:
+        return grads, None
+    return grads, [jnp.asarray(x) for x in check_tree(plan, params, "params", check_dtype=True)]

@@ -1,0 +1,363 @@
+"""One update as a transaction, and the state stream that runs them.
+
+:class:`StateStream` holds everything an initialised offloader streams with: the plan and its
+programs, the tiers, the engine, the scheduler and the counters. Each update is a
+:class:`Transaction`: ``begin`` settles the idle-time I/O and remembers where every record was,
+``stream`` runs the subgroups through the engine, and either ``end`` commits the step (stats,
+scheduler feedback, idle-time write-back and prefetch) or ``abort`` forgets every trace of it, so
+the previous step stays intact. :meth:`StateStream.run_step` is that sequence, for the eager and the
+in-jit route alike; the two differ only in their :class:`Blocks` and :class:`Route`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_mlp import kernels, partition, peers
+from jax_mlp.config import OffloadConfig
+from jax_mlp.engine import Engine, Timings
+from jax_mlp.errors import OffloadError
+from jax_mlp.kernels import Programs
+from jax_mlp.partition import Piece, Plan, Subgroup
+from jax_mlp.placement import BlockKey, LeafPlacement
+from jax_mlp.scheduler import Scheduler
+from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
+from jax_mlp.storage.cache import HostCache
+from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.probe import starting_speed
+from jax_mlp.storage.record import HEADER_SIZE, record_codec
+from jax_mlp.storage.tier_stack import Pin, TierStack
+
+logger = logging.getLogger(__name__)
+
+
+class Blocks(NamedTuple):
+    """Where one update's inputs are: a piece's grad block, its param block, a subgroup's device.
+
+    Attributes:
+      grad_of: a piece's gradient block (the whole leaf, or its shard).
+      param_of: the same for params, or None when the update needs no params.
+      device_of: where a subgroup's update runs.
+    """
+
+    grad_of: Callable[[Piece], jax.Array]
+    param_of: Callable[[Piece], jax.Array] | None
+    device_of: Callable[[Subgroup], jax.Device | None]
+
+
+def _unchanged(fields: Any, device: jax.Device | None = None) -> Any:
+    del device
+    return fields
+
+
+class Route(NamedTuple):
+    """How a route moves a subgroup's fields between host and device, and on which thread.
+
+    Attributes:
+      load: on the reader thread, the fetched host fields to what compute takes.
+      enter: on the compute thread, those to device arrays.
+      leave: on the compute thread, the new fields to what the writer thread stores.
+    """
+
+    load: Callable[[Any, jax.Device | None], Any]
+    enter: Callable[[Any, jax.Device | None], Any]
+    leave: Callable[[Any], Any]
+
+
+EAGER = Route(load=jax.device_put, enter=_unchanged, leave=_unchanged)
+"""The eager route: readers put the fields on the device, writers bring the results back."""
+
+IN_CALLBACK = Route(load=_unchanged, enter=jax.device_put, leave=jax.device_get)
+"""Streaming inside a device's host callback: a CPU device then runs only work that the callback's
+own thread puts on it and waits for, so transfers and results stay on that thread."""
+
+
+class Transaction(NamedTuple):
+    """One update in progress: the step it starts from, and what to restore if it fails."""
+
+    step: int
+    prefetched: dict[int, Future]
+    locations: dict[int, int]
+    moved: list[tuple[int, int]]
+    background_wait: float
+
+
+class UpdateBlocks:
+    """The update blocks of one step, as subgroups produce them: whole pieces' blocks, and one
+    accumulator per row-split block that its chunks' programs write into in place."""
+
+    def __init__(self, plan: Plan):
+        self._plan = plan
+        self._blocks: dict[BlockKey, jax.Array] = {}
+        self._accumulators: dict[BlockKey, jax.Array] = {}
+
+    def accumulators_for(self, subgroup: Subgroup, device: jax.Device | None) -> list[jax.Array | None]:
+        """Per piece, its block's accumulator if it is a row chunk (made on first use), else None."""
+        for p in subgroup.pieces:
+            if p.rows is not None and (p.leaf, p.device) not in self._accumulators:
+                shape = partition.piece_shape(self._plan.leaves[p.leaf], p._replace(rows=None))
+                dtype = kernels.update_dtype(self._plan, p.leaf)
+                self._accumulators[p.leaf, p.device] = jnp.zeros(shape, dtype, device=device)
+        return [self._accumulators[p.leaf, p.device] if p.rows is not None else None for p in subgroup.pieces]
+
+    def take(self, subgroup: Subgroup, outputs: Sequence[jax.Array]) -> None:
+        """Keeps a subgroup's outputs: its whole blocks, and the new accumulators of its chunks."""
+        for p, out in zip(subgroup.pieces, outputs, strict=True):
+            (self._accumulators if p.rows is not None else self._blocks)[p.leaf, p.device] = out
+
+    def result(self) -> dict[BlockKey, jax.Array]:
+        """Every block's update, by (leaf, owner device id)."""
+        return {**self._blocks, **self._accumulators}
+
+
+class StateStream:
+    """The offloaded state of one plan, streamed through the devices one transaction at a time.
+
+    Args:
+      inner: the optimizer whose state is streamed.
+      config: the offload's options.
+      plan: the subgroups.
+      paths: the opened storage paths.
+      run_key: names this offloader alike in every process, for barriers.
+      on_stats: called with each update's stats; its errors are logged, never raised.
+    """
+
+    def __init__(
+        self,
+        inner: optax.GradientTransformation,
+        config: OffloadConfig,
+        plan: Plan,
+        paths: list[PathStore],
+        *,
+        run_key: str,
+        on_stats: Callable[[UpdateStats], None] | None,
+    ):
+        self.config = config
+        self.plan = plan
+        self.programs = Programs(inner, plan)
+        self.scheduler = Scheduler(
+            [HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups],
+            [starting_speed(p, config.probe) for p in config.paths],
+            order=config.order,
+            placement=config.placement,
+            rebalance=config.rebalance,
+        )
+        self.counters = IOCounters([p.root for p in paths])
+        codec = record_codec(plan)
+        self.tiers = TierStack(
+            HostCache(config.host_cache), paths, plan.layout_hash, self.scheduler.path_of, self.counters, codec
+        )
+        self.engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
+        self.step = 0
+        self.last_stats: UpdateStats | None = None
+        self._run_key = run_key
+        self._on_stats = on_stats
+        self._prefetched: dict[int, Future] = {}
+        self._total_compiles = 0
+
+    # ----------------------------------------------------------------------------- filling the tiers
+
+    def write_initial_state(self, params: Sequence[jax.Array], placement: LeafPlacement) -> None:
+        """Streams the inner optimizer's initial state (and master params) of ``params`` out, at step 0."""
+        home = placement.home(params)
+        blocks = placement.blocks(params)
+
+        def compute(index: int, _: None) -> tuple:
+            subgroup = self.plan.subgroups[index]
+            leaves = [blocks[p.leaf][p.device] for p in subgroup.pieces]
+            return self.programs.init(subgroup, leaves, placement.device_of(subgroup, home))
+
+        self._populate(0, lambda _: None, compute)
+
+    def write_restored_state(self, step: int, load: Callable[[int], tuple]) -> None:
+        """Streams a given state at ``step`` in; ``load(k)`` gives subgroup k's (state, master) leaves."""
+        self._populate(step, load, lambda _, loaded: loaded)
+
+    def resume_at(self, step: int, locations: dict[int, int]) -> None:
+        """Takes up the tiers at ``step``, complete on storage with each subgroup's record where ``locations`` says."""
+        self.tiers.locations.update(locations)
+        self.step = step
+
+    def _populate(self, step: int, fetch: Callable[[int], Any], compute: Callable[[int, Any], tuple]) -> None:
+        """Streams a whole state at ``step`` into the tiers through the pipeline.
+
+        Records go out in the order of step ``step - 1``, so the cache keeps what step ``step``
+        updates first.
+        """
+        compiles = compiles_on_this_thread()
+        self.step = step  # the cache and idle-time prefetch started by _finish work at this step
+        order = self.scheduler.order(step - 1)
+        timings = self.engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step))
+        self._finish(step, timings, compiles_on_this_thread() - compiles)
+        self.engine.wait_background()
+
+    # ----------------------------------------------------------------------------- one update
+
+    def run_step(self, step: int, blocks: Blocks, route: Route) -> dict[BlockKey, jax.Array]:
+        """One update from ``step`` as a transaction: each owned block's update, by (leaf, owner device id).
+
+        Raises:
+          OffloadError: ``step`` is not the step the tiers hold.
+          Any error of the stream, after the transaction was aborted: step ``step`` is intact.
+        """
+        self.check_step(step)
+        transaction = self.begin()
+        try:
+            updates, timings, compiles = self.stream(transaction, blocks, route)
+        except BaseException:
+            self.abort(transaction)
+            raise
+        self.end(transaction, timings, compiles)
+        return updates
+
+    def check_step(self, step: int) -> None:
+        """Refuses an ``opt_state`` at another step than the tiers hold."""
+        if step != self.step:
+            raise OffloadError(
+                f"the opt_state passed to update is at step {step}, but the offloaded state is at step {self.step}; "
+                "offloaded state cannot go back in time: pass the opt_state returned by the previous update, "
+                "or restore a checkpoint"
+            )
+
+    def begin(self) -> Transaction:
+        """Settles idle-time I/O and remembers what to restore if the update fails."""
+        background_wait = self.engine.wait_background()
+        if self.config.flush == "idle":
+            self.tiers.drop_moved()
+        prefetched, self._prefetched = self._prefetched, {}
+        tiers = self.tiers
+        return Transaction(self.step, prefetched, dict(tiers.locations), list(tiers.moved), background_wait)
+
+    def stream(
+        self, transaction: Transaction, blocks: Blocks, route: Route
+    ) -> tuple[dict[BlockKey, jax.Array], Timings, int]:
+        """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
+
+        Returns:
+          Each block's update by (leaf, owner device id), the stream's timings, and its compile count.
+        """
+        plan, step = self.plan, transaction.step
+        updates = UpdateBlocks(plan)
+
+        def fetch(index: int) -> Any:
+            early = transaction.prefetched.pop(index, None)
+            if early is not None:
+                fields = self.engine.result(early, f"reading subgroup {index} ahead")
+            else:
+                fields = self.tiers.fetch(index, step)
+            return route.load(fields, blocks.device_of(plan.subgroups[index]))
+
+        def compute(index: int, fetched: Any) -> tuple:
+            started = time.perf_counter()
+            subgroup = plan.subgroups[index]
+            device = blocks.device_of(subgroup)
+            grads = [blocks.grad_of(p) for p in subgroup.pieces]
+            params = None if blocks.param_of is None else [blocks.param_of(p) for p in subgroup.pieces]
+            accumulators = updates.accumulators_for(subgroup, device)
+            out = self.programs.update(subgroup, device, grads, params, route.enter(fetched, device), accumulators)
+            updates.take(subgroup, out.outputs)
+            self.counters.event("compute", None, index, started)
+            return route.leave((out.state_leaves, out.master_leaves))
+
+        compiles = compiles_on_this_thread()
+        order = self.scheduler.order(step)
+        timings = self.engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step + 1))
+        return updates.result(), timings, compiles_on_this_thread() - compiles
+
+    def abort(self, transaction: Transaction) -> None:
+        """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
+        self.tiers.cache.discard_unless_step(transaction.step)
+        self.tiers.locations, self.tiers.moved = transaction.locations, transaction.moved
+        self.engine.settle(transaction.prefetched.values())
+
+    def end(self, transaction: Transaction, timings: Timings, compiles: int) -> None:
+        """Commits the step: stats, idle-time I/O, and with several processes a barrier."""
+        self.step = transaction.step + 1
+        self._finish(self.step, timings, compiles, transaction.background_wait)
+        if jax.process_count() > 1:
+            what = f"the end of update step {self.step}"
+            peers.barrier(f"{self._run_key}/update/{self.step}", self.config.peer_timeout, what)
+
+    def _store(self, index: int, computed: tuple, step: int) -> None:
+        """Writer thread: the (state, master) leaves to host arrays (no copy on CPU), then into the tiers."""
+        fields = tuple([np.asarray(x) for x in leaves] for leaves in computed)
+        self.tiers.store(index, fields, HEADER_SIZE + self.plan.subgroups[index].layout.nbytes, step)
+
+    # ----------------------------------------------------------------------------- between updates
+
+    def _finish(self, step: int, timings: Timings, compiles: int, extra_wait: float = 0.0) -> None:
+        """Closes a step's accounting, then starts the idle-time I/O that overlaps the user's next forward pass."""
+        self._total_compiles += compiles
+        self.scheduler.observe([path.traffic.take_usage() for path in self.tiers.paths])
+        self.last_stats = update_stats(
+            step,
+            timings,
+            extra_wait,
+            self.counters,
+            compiles,
+            self._total_compiles,
+            self.tiers.locations,
+            [path.root for path in self.tiers.paths],
+            self.scheduler.speeds,
+        )
+        self.counters.reset()  # idle-time I/O started below counts towards the next update
+        if self.config.flush == "idle":
+            self._write_back_dirty()
+        if self.config.idle_prefetch:
+            self._prefetch_next()
+        self._report(self.last_stats)
+
+    def _report(self, stats: UpdateStats) -> None:
+        if self._on_stats is None:
+            return
+        try:
+            self._on_stats(stats)
+        except Exception:  # a logging failure must not desynchronise the step from the tiers
+            logger.exception("the on_stats callback of mlp_offload raised; training goes on")
+
+    def _prefetch_next(self) -> None:
+        """Starts reading the next update's first uncached records while forward and backward run."""
+        for index in self.scheduler.order(self.step):
+            if len(self._prefetched) >= self.config.prefetch_depth:
+                return
+            if not self.tiers.cache.holds(index, self.step):
+                self._prefetched[index] = self.engine.read_ahead(self.tiers.fetch, index, self.step)
+
+    @property
+    def prefetched(self) -> tuple[int, ...]:
+        """The subgroups read ahead for the next update, in the order they were started."""
+        return tuple(self._prefetched)
+
+    def _write_back_dirty(self) -> None:
+        """Queues every dirty cached record for writing on the writer threads (idle-time I/O)."""
+        for subgroup, entry in self.tiers.cache.dirty():
+            self.engine.submit_background(self.tiers.write_back, subgroup, entry)
+
+    def flush(self) -> None:
+        """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
+        self._write_back_dirty()
+        self.engine.wait_background()
+        self.tiers.drop_moved()
+
+    def pin(self) -> Pin:
+        """Flushes, then pins the current step for a reader beside training (see :meth:`TierStack.pin`)."""
+        self.flush()
+        return self.tiers.pin(self.step, self.config.io_timeout)
+
+    def close(self, *, delete: bool) -> None:
+        """Stops the threads, empties the cache and, if ``delete``, removes the files (no flush)."""
+        self.engine.settle(self._prefetched.values())
+        self.engine.close()
+        self.tiers.cache.clear()
+        if delete:
+            for path in self.tiers.paths:
+                path.remove()

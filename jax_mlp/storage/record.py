@@ -1,0 +1,157 @@
+"""The record: one subgroup's state at one step, as a sealed, checksummed buffer.
+
+A record is a 64-byte header (magic, version, step, payload size, layout hash, and a CRC-32 of the
+header and payload) followed by the raw payload: the subgroup's state leaves, then its master
+leaves, each at a 64-byte-aligned offset (see :class:`jax_mlp.partition.RecordLayout`). Step ``s``
+of subgroup ``k`` lives in slot ``s % 2`` of its path, so writing step ``s + 1`` never touches step ``s``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jax_mlp import partition
+from jax_mlp.errors import RecordError
+from jax_mlp.partition import Plan
+from jax_mlp.storage.buffers import ALIGNMENT, aligned_buffer, round_up
+
+try:  # ISA-L computes the same CRC-32 as zlib, five times faster here; it comes with the bench extra
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
+
+HEADER_SIZE = 64
+CHUNK_BYTES = 4 * 1024**2
+_MAGIC = b"JMLP"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHxxqQ16s")  # magic, version, step, payload bytes, layout hash
+_CRC_OFFSET = HEADER_SIZE - 4  # the CRC-32 of bytes [0, 60) and of the payload ends the header
+
+
+def record_name(subgroup: int, slot: int) -> str:
+    """The key of subgroup ``subgroup``'s record in ``slot``, relative to a path's directory."""
+    return f"sg{subgroup:06d}.{slot}"
+
+
+def chunk_bytes(nbytes: int) -> int:
+    """The zarr chunk size of a record of ``nbytes``: about ``CHUNK_BYTES``, equal chunks, block-aligned.
+
+    zarr stores an edge chunk at full size, so splitting evenly wastes less than a block per chunk
+    where fixed 4 MiB chunks would store a 64 MiB + 64 B record as 68 MiB. Block-aligned chunks
+    can be moved with O_DIRECT.
+    """
+    count = -(-nbytes // CHUNK_BYTES)
+    return round_up(-(-nbytes // count), ALIGNMENT)
+
+
+def new_record(payload_nbytes: int, *, zeroed: bool = True) -> np.ndarray:
+    """An aligned buffer for a record (header room plus payload), padded with zeros up to whole
+    chunks, so every chunk file is written straight from it.
+
+    Args:
+      payload_nbytes: the payload's size.
+      zeroed: zero the header and payload too; pass False when the caller writes every byte (as
+        :func:`jax_mlp.partition.pack` and :func:`seal` do), which saves a pass over a reused buffer.
+    """
+    nbytes = HEADER_SIZE + payload_nbytes
+    buffer = aligned_buffer(round_up(nbytes, chunk_bytes(nbytes)), zeroed=zeroed)
+    buffer[nbytes:] = 0
+    return buffer[:nbytes]
+
+
+def payload_of(record: np.ndarray) -> np.ndarray:
+    """The payload part of a record buffer (a view)."""
+    return record[HEADER_SIZE:]
+
+
+def _checksum(record: np.ndarray) -> int:
+    return crc32(payload_of(record), crc32(record[:_CRC_OFFSET]))
+
+
+def seal(record: np.ndarray, step: int, layout_hash: bytes) -> None:
+    """Writes the header of ``record`` for ``step``, ending with the checksum of header and payload.
+
+    Records are made only as fields leave RAM for a path (:meth:`TierStack.write`), so fields
+    that live and die in the host cache never pay for the checksum (with zlib it was 40% of a
+    cached update here).
+    """
+    fields = _HEADER.pack(_MAGIC, _VERSION, step, record.nbytes - HEADER_SIZE, layout_hash)
+    record[:HEADER_SIZE] = 0
+    record[: _HEADER.size] = np.frombuffer(fields, np.uint8)
+    record[_CRC_OFFSET:HEADER_SIZE] = np.frombuffer(struct.pack("<I", _checksum(record)), np.uint8)
+
+
+class Header(NamedTuple):
+    """The decoded header of a record."""
+
+    step: int
+    payload_nbytes: int
+    layout_hash: bytes
+    checksum: int
+
+
+def read_header(record: np.ndarray, name: str) -> Header:
+    """Decodes a record's header; raises RecordError naming ``name`` when it is not one."""
+    if record.nbytes < HEADER_SIZE:
+        raise RecordError(f"record {name} is truncated ({record.nbytes} bytes, less than its header)")
+    magic, version, step, nbytes, layout_hash = _HEADER.unpack(record[: _HEADER.size].tobytes())
+    (checksum,) = struct.unpack("<I", record[_CRC_OFFSET:HEADER_SIZE].tobytes())
+    if magic != _MAGIC or version != _VERSION:
+        raise RecordError(f"record {name} has no jax_mlp header: it is not a jax_mlp record or it was never written")
+    return Header(step, nbytes, layout_hash, checksum)
+
+
+def verify(record: np.ndarray, *, name: str, step: int, layout_hash: bytes) -> np.ndarray:
+    """Checks a record read back from storage and returns its payload.
+
+    Raises:
+      RecordError: naming the record, when the header, size, checksum, layout hash or step is wrong.
+    """
+    header = read_header(record, name)
+    remedy = "restore the last checkpoint, or resume from the tiers at the last complete step"
+    if header.payload_nbytes != record.nbytes - HEADER_SIZE:
+        raise RecordError(
+            f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; {remedy}"
+        )
+    if _checksum(record) != header.checksum:
+        raise RecordError(f"record {name} fails its checksum: it is corrupt or torn; {remedy}")
+    if header.layout_hash != layout_hash:
+        raise RecordError(
+            f"record {name} belongs to another run or subgroup layout (layout hash {header.layout_hash.hex()}, "
+            f"expected {layout_hash.hex()}); use a fresh directory or the same params, optimizer and subgroup_size"
+        )
+    if header.step != step:
+        raise RecordError(f"record {name} holds step {header.step}, expected step {step}; {remedy}")
+    return payload_of(record)
+
+
+class RecordCodec(NamedTuple):
+    """How a subgroup's fields become a sealed record and back; the tiers never look inside fields.
+
+    Attributes:
+      pack: ``pack(subgroup, fields, step)`` returns a sealed record of ``fields`` at ``step``.
+      unpack: ``unpack(subgroup, payload)`` returns the fields a verified payload holds.
+    """
+
+    pack: Callable[[int, Any, int], np.ndarray]
+    unpack: Callable[[int, np.ndarray], Any]
+
+
+def record_codec(plan: Plan) -> RecordCodec:
+    """Packs a subgroup's (state leaves, master leaves) into a sealed record by its layout, and back."""
+
+    def pack(index: int, fields: tuple, step: int) -> np.ndarray:
+        layout = plan.subgroups[index].layout
+        record = new_record(layout.nbytes, zeroed=False)  # pack and seal write every byte
+        partition.pack(layout, *fields, payload_of(record))
+        seal(record, step, plan.layout_hash)
+        return record
+
+    def unpack(index: int, payload: np.ndarray) -> tuple:
+        return partition.unpack(plan.subgroups[index].layout, payload)
+
+    return RecordCodec(pack, unpack)
