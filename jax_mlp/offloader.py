@@ -185,7 +185,7 @@ class Offloader(ClosesOnExit):
         except BaseException:
             if stream is not None:
                 stream.engine.close()
-            release_paths(paths)  # the paths are held from here to close, or up to a failed init
+            release_paths(paths)  # a live offload holds them until close; a failed init lets go
             raise
         self._live = live
         return OffloadState(jnp.asarray(stream.step, jnp.int32))
