@@ -10,7 +10,11 @@ class OffloadError(RuntimeError):
 
 
 class PathError(OffloadError):
-    """A storage path is missing, unwritable, full or gone."""
+    """A storage path is missing, unwritable, full, too small for its share, or gone."""
+
+
+class PathInUseError(PathError):
+    """A path's run directory is held by another live writer (``mlp_offload``), in this process or another."""
 
 
 class RecordError(OffloadError):

@@ -25,7 +25,7 @@ from jax_mlp.placement import LeafPlacement
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import UpdateStats
 from jax_mlp.step import EAGER, Blocks, StateStream
-from jax_mlp.storage.paths import open_path
+from jax_mlp.storage.paths import open_paths, release_paths
 from jax_mlp.storage.tier_stack import Pin
 
 _INSTANCES = itertools.count()  # names this process's offloaders alike in every process, for barriers
@@ -169,21 +169,23 @@ class Offloader(ClosesOnExit):
         placement = LeafPlacement.of(leaves)
         config = self.config
         plan = partition.make_plan(params, self.inner, config.subgroup_size, config.master_dtype, placement.shards)
-        paths = [
-            open_path(p, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock)
-            for p in config.paths
-        ]
-        resume.check_paths(paths, plan, resume=self.resume)
-        stream = StateStream(self.inner, config, plan, paths, run_key=self._run_key, on_stats=self.on_stats)
-        live = _Live(plan, placement, stream, JitRoute(plan, placement, leaves, stream, config.peer_timeout))
+        paths = open_paths(
+            config.paths, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock
+        )
+        stream = None
         try:
+            resume.check_paths(paths, plan, resume=self.resume)
+            stream = StateStream(self.inner, config, plan, paths, run_key=self._run_key, on_stats=self.on_stats)
+            live = _Live(plan, placement, stream, JitRoute(plan, placement, leaves, stream, config.peer_timeout))
             populate(live)
             for path in paths:
                 path.write_run_file(resume.run_identity(plan))
             if jax.process_count() > 1:
                 peers.barrier(f"{self._run_key}/init", config.peer_timeout, "the end of init")
         except BaseException:
-            stream.engine.close()
+            if stream is not None:
+                stream.engine.close()
+            release_paths(paths)  # a live offload holds them until close; a failed init lets go
             raise
         self._live = live
         return OffloadState(jnp.asarray(stream.step, jnp.int32))

@@ -32,7 +32,8 @@ from jax_mlp.placement import BlockKey, LeafPlacement
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
 from jax_mlp.storage.cache import HostCache
-from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.capacity import check_capacity
+from jax_mlp.storage.paths import PathStore, release_paths
 from jax_mlp.storage.probe import starting_speed
 from jax_mlp.storage.record import HEADER_SIZE, record_codec
 from jax_mlp.storage.tier_stack import Pin, TierStack
@@ -191,8 +192,9 @@ class StateStream:
         """Streams a whole state at ``step`` into the tiers through the pipeline.
 
         Records go out in the order of step ``step - 1``, so the cache keeps what step ``step``
-        updates first.
+        updates first. Before the first one, each path's free space is checked against its share.
         """
+        check_capacity(self.tiers.paths, self.scheduler.record_bytes, self.scheduler.placement)
         compiles = compiles_on_this_thread()
         self.step = step  # the cache and idle-time prefetch started by _finish work at this step
         order = self.scheduler.order(step - 1)
@@ -354,10 +356,13 @@ class StateStream:
         return self.tiers.pin(self.step, self.config.io_timeout)
 
     def close(self, *, delete: bool) -> None:
-        """Stops the threads, empties the cache and, if ``delete``, removes the files (no flush)."""
-        self.engine.settle(self._prefetched.values())
-        self.engine.close()
-        self.tiers.cache.clear()
-        if delete:
-            for path in self.tiers.paths:
-                path.remove()
+        """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
+        try:
+            self.engine.settle(self._prefetched.values())
+            self.engine.close()
+            self.tiers.cache.clear()
+            if delete:
+                for path in self.tiers.paths:
+                    path.remove()
+        finally:
+            release_paths(self.tiers.paths)
