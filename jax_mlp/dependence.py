@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +29,7 @@ import optax
 from jax.extend import core
 
 from jax_mlp import partition
-from jax_mlp.errors import OffloadError
+from jax_mlp.errors import CoupledOptimizerError, OffloadError
 
 REMEDY = "put global transformations such as clip_by_global_norm before mlp_offload, or use a leaf-wise optimizer"
 
@@ -45,10 +45,6 @@ _RANDOM_PRIMITIVES = frozenset(
         "threefry2x32",
     }
 )
-
-
-class CoupledOptimizerError(OffloadError):
-    """The inner optimizer reads across param leaves, so one subgroup at a time would change its math."""
 
 
 class OptimizerCheck(NamedTuple):
@@ -367,7 +363,25 @@ class _Propagation:
 # ----------------------------------------------------------------------------- the check
 
 
-def check_optimizer(inner: optax.GradientTransformation, params: Any, master_dtype: np.dtype | None) -> OptimizerCheck:
+class _Traced(NamedTuple):
+    """The optimizer's jaxprs on the abstract full tree, and what they are about."""
+
+    names: list[str]  # each param leaf's tree path
+    leaves: list[jax.ShapeDtypeStruct]  # each param leaf as the inner optimizer sees it
+    treedef: Any
+    state: Any  # the shapes of inner.init on the full tree
+    state_leaves: list[tuple[Any, jax.ShapeDtypeStruct]]  # (path, shape) of each state leaf
+    init: core.ClosedJaxpr  # params -> state
+    update: core.ClosedJaxpr  # (grads, state, params, extra args) -> (updates, new state)
+    num_extra: int  # leaves of the extra arguments
+
+
+def check_optimizer(
+    inner: optax.GradientTransformation,
+    params: Any,
+    master_dtype: np.dtype | None,
+    extra_args: Mapping[str, Any] | None = None,
+) -> OptimizerCheck:
     """Checks that ``inner`` gives the same math one subgroup (and one row chunk) at a time; nothing is computed.
 
     Args:
@@ -375,6 +389,8 @@ def check_optimizer(inner: optax.GradientTransformation, params: Any, master_dty
       params: the param pytree: arrays or ``jax.ShapeDtypeStruct``s; only shapes and dtypes are used.
       master_dtype: the dtype of the master params the inner optimizer is given (gradients come in
         it too), or None for the params' own dtypes.
+      extra_args: the extra keyword arguments ``inner.update`` is given (arrays or their shapes),
+        the same for every subgroup.
 
     Returns:
       The leaves that must be kept whole (their updates mix rows) and the seconds the check took.
@@ -385,6 +401,13 @@ def check_optimizer(inner: optax.GradientTransformation, params: Any, master_dty
       OffloadError: the optimizer draws random numbers or keeps a PRNG key, or it cannot be traced.
     """
     start = time.perf_counter()
+    traced = _trace(optax.with_extra_args_support(inner), params, master_dtype, dict(extra_args or {}))
+    owner = _state_owners(inner, traced)
+    return OptimizerCheck(_row_coupled(traced, owner), time.perf_counter() - start)
+
+
+def _trace(inner: optax.GradientTransformationExtraArgs, params: Any, master_dtype, extra_args: dict) -> _Traced:
+    """Traces ``inner.init`` and ``inner.update`` on the abstract tree; refuses randomness on the way."""
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     names = [jax.tree_util.keystr(path) for path, _ in path_leaves]
     leaves = [jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(master_dtype or x.dtype)) for _, x in path_leaves]
@@ -393,12 +416,20 @@ def check_optimizer(inner: optax.GradientTransformation, params: Any, master_dty
     state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     _refuse_keys(state, state_leaves)
     init = _traced("inner.init", lambda: jax.make_jaxpr(inner.init)(abstract))
-    update = _traced_update(inner, abstract, state)
+    extra = {k: jax.ShapeDtypeStruct(np.shape(v), jax.numpy.result_type(v)) for k, v in extra_args.items()}
+    update, (updates, new_state) = _traced(
+        "inner.update",
+        lambda: jax.make_jaxpr(lambda g, s, p, e: inner.update(g, s, p, **e), return_shape=True)(
+            abstract, state, abstract, extra
+        ),
+    )
+    if jax.tree_util.tree_structure(updates) != treedef:
+        raise OffloadError(f"inner.update returns updates of another tree structure than the params; {REMEDY}")
+    if jax.tree_util.tree_structure(new_state) != jax.tree_util.tree_structure(state):
+        raise OffloadError(f"inner.update returns a state of another tree structure than inner.init; {REMEDY}")
     for jaxpr in (init.jaxpr, update.jaxpr):
         _refuse_randomness(jaxpr)
-    owner = _state_owners(inner, treedef, names, state, state_leaves, init, update)
-    whole = _row_coupled(leaves, [x for _, x in state_leaves], owner, init, update)
-    return OptimizerCheck(whole, time.perf_counter() - start)
+    return _Traced(names, leaves, treedef, state, state_leaves, init, update, len(jax.tree.leaves(extra)))
 
 
 def _traced(what: str, trace: Callable[[], Any]) -> Any:
@@ -409,22 +440,10 @@ def _traced(what: str, trace: Callable[[], Any]) -> Any:
         first_line = (str(error).splitlines() or [""])[0]
         raise OffloadError(
             f"{what} could not be traced on the abstract param tree ({type(error).__name__}: {first_line}), so "
-            "mlp_offload cannot check that it gives the same math one subgroup of leaves at a time; mlp_offload "
-            f"passes no extra arguments (such as value= or obj_fn=) to the inner optimizer. {REMEDY}"
+            "mlp_offload cannot check that it gives the same math one subgroup of leaves at a time. If it needs "
+            "extra arguments, declare them: mlp_offload(..., extra_args={'value': jax.ShapeDtypeStruct((), "
+            f"jnp.float32)}}); only arrays can be passed on. Otherwise {REMEDY}"
         ) from error
-
-
-def _traced_update(inner: optax.GradientTransformation, abstract: Any, state: Any) -> core.ClosedJaxpr:
-    """The jaxpr of ``inner.update(grads, state, params)``, whose outputs have the structure of its inputs."""
-    jaxpr, shapes = _traced(
-        "inner.update", lambda: jax.make_jaxpr(inner.update, return_shape=True)(abstract, state, abstract)
-    )
-    updates, new_state = shapes
-    if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(abstract):
-        raise OffloadError(f"inner.update returns updates of another tree structure than the params; {REMEDY}")
-    if jax.tree_util.tree_structure(new_state) != jax.tree_util.tree_structure(state):
-        raise OffloadError(f"inner.update returns a state of another tree structure than inner.init; {REMEDY}")
-    return jaxpr
 
 
 _RANDOMNESS_REMEDY = (
@@ -463,15 +482,12 @@ def _random_equation(jaxpr: core.Jaxpr) -> Any | None:
     return None
 
 
-def _state_owners(
-    inner: optax.GradientTransformation,
-    treedef: Any,
-    names: Sequence[str],
-    state: Any,
-    state_leaves: Sequence[tuple[Any, Any]],
-    init: core.ClosedJaxpr,
-    update: core.ClosedJaxpr,
-) -> list[int | None]:
+def _update_outputs(propagation: _Propagation, traced: _Traced, params: list[_Dep], state: list[_Dep]) -> list[_Dep]:
+    """The deps of ``inner.update``'s outputs (updates, then new state); extra arguments are uniform."""
+    return propagation.closed(traced.update, [*params, *state, *params, *[_UNIFORM] * traced.num_extra])
+
+
+def _state_owners(inner: optax.GradientTransformation, traced: _Traced) -> list[int | None]:
     """Per state leaf, the param leaf it belongs to, or None for state every subgroup holds alike.
 
     A state leaf belongs to a param leaf if its value follows from that leaf's gradients, params or
@@ -479,21 +495,42 @@ def _state_owners(
     hyperparameters) depend on no leaf. Raises if a component holds two param leaves, or if state
     that ``inner.init`` gives even a view with no leaves depends on one.
     """
-    n, s = len(names), len(state_leaves)
+    n, s = len(traced.names), len(traced.state_leaves)
     first = _Propagation(n)
     tokens = [_Dep(frozenset({i}), None) for i in range(n)]
-    init_deps = first.closed(init, tokens)
-    outs = first.closed(update, [*tokens, *(_Dep(frozenset({n + k}), None) for k in range(s)), *tokens])
-    update_deps, new_state_deps = outs[:n], outs[n:]
-    reads = [init_deps[k].leaves | new_state_deps[k].leaves for k in range(s)]
-    dependent = [any(t < n for t in reads[k]) for k in range(s)]
+    init_deps = first.closed(traced.init, tokens)
+    outs = _update_outputs(first, traced, tokens, [_Dep(frozenset({n + k}), None) for k in range(s)])
+    reads = [init_deps[k].leaves | outs[n + k].leaves for k in range(s)]
+    dependent = _leaf_dependent(n, reads)
+    edges = [(i, t) for i in range(n) for t in outs[i].leaves]
+    edges += [(n + k, t) for k in range(s) if dependent[k] for t in reads[k]]
+    component = _components(n + s, [(a, b) for a, b in edges if b < n or dependent[b - n]])
+    params_of: dict[int, list[int]] = {}
+    for i in range(n):
+        params_of.setdefault(component[i], []).append(i)
+    coupled = next((leaves for leaves in params_of.values() if len(leaves) >= 2), None)
+    if coupled is not None:
+        raise _coupling_error(traced.names, coupled, first.first_mix)
+    owner = [params_of[component[n + k]][0] if dependent[k] else None for k in range(s)]
+    _refuse_dependent_shared(inner, traced, owner)
+    return owner
+
+
+def _leaf_dependent(n: int, reads: Sequence[frozenset[int]]) -> list[bool]:
+    """Which state leaves depend on a param leaf, directly or through other state leaves (tokens from ``n``)."""
+    dependent = [any(t < n for t in r) for r in reads]
     changed = True
     while changed:
         changed = False
-        for k in range(s):
-            if not dependent[k] and any(t >= n and dependent[t - n] for t in reads[k]):
+        for k, r in enumerate(reads):
+            if not dependent[k] and any(t >= n and dependent[t - n] for t in r):
                 dependent[k] = changed = True
-    parent = list(range(n + s))
+    return dependent
+
+
+def _components(size: int, edges: Iterable[tuple[int, int]]) -> list[int]:
+    """The connected component (a representative node) of each of ``size`` nodes, by union-find."""
+    parent = list(range(size))
 
     def find(x: int) -> int:
         while parent[x] != x:
@@ -501,26 +538,9 @@ def _state_owners(
             x = parent[x]
         return x
 
-    def link(node: int, deps: Iterable[int]) -> None:
-        for t in deps:
-            if t < n or dependent[t - n]:
-                parent[find(t)] = find(node)
-
-    for i in range(n):
-        link(i, update_deps[i].leaves)
-    for k in range(s):
-        if dependent[k]:
-            link(n + k, reads[k])
-    params_of: dict[int, list[int]] = {}
-    for i in range(n):
-        params_of.setdefault(find(i), []).append(i)
-    coupled = next((leaves for leaves in params_of.values() if len(leaves) >= 2), None)
-    if coupled is not None:
-        raise _coupling_error(names, coupled, first.first_mix)
-    owner = [params_of[find(n + k)][0] if dependent[k] else None for k in range(s)]
-    if n >= 2:
-        _refuse_dependent_shared(inner, treedef, names, state, state_leaves, owner)
-    return owner
+    for a, b in edges:
+        parent[find(b)] = find(a)
+    return [find(x) for x in range(size)]
 
 
 def _coupling_error(names: Sequence[str], coupled: Sequence[int], first_mix: tuple | None) -> CoupledOptimizerError:
@@ -536,56 +556,42 @@ def _coupling_error(names: Sequence[str], coupled: Sequence[int], first_mix: tup
     )
 
 
-def _refuse_dependent_shared(
-    inner: optax.GradientTransformation,
-    treedef: Any,
-    names: Sequence[str],
-    state: Any,
-    state_leaves: Sequence[tuple[Any, Any]],
-    owner: Sequence[int | None],
-) -> None:
+def _refuse_dependent_shared(inner: optax.GradientTransformation, traced: _Traced, owner: Sequence[int | None]) -> None:
     """Raises if state that even a view with no leaves holds (one copy per subgroup) depends on a leaf."""
-    if all(o is None for o in owner):
+    names = traced.names
+    if len(names) < 2 or all(o is None for o in owner):
         return
-    empty = jax.tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves)
+    empty = jax.tree_util.tree_unflatten(traced.treedef, [None] * len(names))
     shared = {path for path, _ in jax.tree_util.tree_flatten_with_path(partition.init_shapes(inner, empty))[0]}
-    for (path, _), leaf in zip(state_leaves, owner, strict=True):
+    for (path, _), leaf in zip(traced.state_leaves, owner, strict=True):
         if leaf is not None and path in shared:
             other = names[1] if leaf == 0 else names[0]
             raise CoupledOptimizerError(
-                f"the inner optimizer's state {_describe(state, path)} is one value for the whole tree, but its new "
-                f"value is computed from param leaf {names[leaf]}: each subgroup holds its own copy, and one without "
-                f"{names[leaf]} (holding {other}, say) would compute another value than in memory. {REMEDY}"
+                f"the inner optimizer's state {_describe(traced.state, path)} is one value for the whole tree, but its "
+                f"new value is computed from param leaf {names[leaf]}: each subgroup holds its own copy, and one "
+                f"without {names[leaf]} (holding {other}, say) would compute another value than in memory. {REMEDY}"
             )
 
 
-def _row_coupled(
-    leaves: Sequence[jax.ShapeDtypeStruct],
-    state_leaves: Sequence[Any],
-    owner: Sequence[int | None],
-    init: core.ClosedJaxpr,
-    update: core.ClosedJaxpr,
-) -> frozenset[int]:
+def _row_coupled(traced: _Traced, owner: Sequence[int | None]) -> frozenset[int]:
     """The leaves of more than one row whose state, update or new state mixes their rows.
 
     A leaf can be row-split only if each of its state leaves has its rows along axis 0 and each
     output row depends on that row of its inputs alone.
     """
-    n = len(leaves)
+    leaves, n = traced.leaves, len(traced.leaves)
 
     def rows(shape: tuple[int, ...]) -> int | None:
         return shape[0] if shape else None
 
     param_deps = [_Dep(frozenset({i}), 0 if x.shape else None) for i, x in enumerate(leaves)]
     state_deps = [
-        _UNIFORM
-        if i is None
-        else _Dep(frozenset({i}), 0 if rows(x.shape) is not None and rows(x.shape) == rows(leaves[i].shape) else None)
-        for x, i in zip(state_leaves, owner, strict=True)
+        _UNIFORM if i is None else _Dep(frozenset({i}), 0 if rows(x.shape) == rows(leaves[i].shape) else None)
+        for (_, x), i in zip(traced.state_leaves, owner, strict=True)
     ]
     second = _Propagation(n)
-    init_deps = second.closed(init, param_deps)
-    outs = second.closed(update, [*param_deps, *state_deps, *param_deps])
+    init_deps = second.closed(traced.init, param_deps)
+    outs = _update_outputs(second, traced, param_deps, state_deps)
     outputs: list[list[_Dep]] = [[outs[i]] for i in range(n)]
     for k, i in enumerate(owner):
         if i is not None:

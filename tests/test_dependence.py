@@ -90,11 +90,18 @@ def test_the_refusal_names_the_transformation():
         check_optimizer(optax.contrib.dog(1.0), TREE, None)
 
 
-def test_optimizers_that_need_extra_arguments_are_refused():
-    # polyak_sgd is global too, but needs the loss value, which mlp_offload does not pass on.
-    with pytest.raises(OffloadError, match="value=") as caught:
+def test_an_optimizer_needing_undeclared_extra_arguments_is_refused_and_checked_once_declared():
+    with pytest.raises(OffloadError, match="declare them: mlp_offload") as caught:
         check_optimizer(optax.polyak_sgd(), TREE, None)
     assert REMEDY in str(caught.value)
+    # With the loss declared, the trace goes through and shows polyak's global step size.
+    with pytest.raises(CoupledOptimizerError, match="scale_by_polyak"):
+        check_optimizer(optax.polyak_sgd(), TREE, None, {"value": jax.ShapeDtypeStruct((), np.float32)})
+
+
+def test_a_leaf_wise_use_of_an_extra_argument_passes():
+    plateau = optax.chain(optax.sgd(1e-2), optax.contrib.reduce_on_plateau())
+    assert check_optimizer(plateau, TREE, None, {"value": jnp.zeros(())}).whole_leaves == frozenset()
 
 
 def scale_by_global_norm() -> optax.GradientTransformation:
