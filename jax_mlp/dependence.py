@@ -12,7 +12,11 @@ Each value of the jaxpr carries the set of param leaves it depends on and, where
 (``jit``, custom derivatives, ``cond``, ``while``, ``scan``) are followed; any other primitive is
 taken to mix all its inputs. Two passes: the first gives every state leaf its own token and
 finds which state leaves belong to which param leaf (connected components of the dependence
-graph); the second, with that ownership, follows the row axes.
+graph); the second, with that ownership, follows the row axes. Extra arguments of ``update`` are
+inputs that depend on no leaf: every subgroup is given them alike.
+
+Randomness is refused outright: optax draws from one key split over the whole tree, which no key
+split per subgroup reproduces.
 """
 
 from __future__ import annotations
@@ -453,6 +457,7 @@ _RANDOMNESS_REMEDY = (
 
 
 def _refuse_keys(state: Any, state_leaves: Sequence[tuple[Any, Any]]) -> None:
+    """Raises for a typed PRNG key among the state leaves (``noisy_sgd``'s, ``add_noise``'s)."""
     for path, leaf in state_leaves:
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             raise OffloadError(
@@ -463,6 +468,7 @@ def _refuse_keys(state: Any, state_leaves: Sequence[tuple[Any, Any]]) -> None:
 
 
 def _refuse_randomness(jaxpr: core.Jaxpr) -> None:
+    """Raises for a random-number primitive anywhere in ``jaxpr``, nested jaxprs included."""
     eqn = _random_equation(jaxpr)
     if eqn is not None:
         raise OffloadError(
