@@ -416,10 +416,9 @@ def _trace(inner: optax.GradientTransformationExtraArgs, params: Any, master_dty
     names = [jax.tree_util.keystr(path) for path, _ in path_leaves]
     leaves = [jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(master_dtype or x.dtype)) for _, x in path_leaves]
     abstract = jax.tree_util.tree_unflatten(treedef, leaves)
-    state = _traced("inner.init", lambda: jax.eval_shape(inner.init, abstract))
+    init, state = _traced("inner.init", lambda: jax.make_jaxpr(inner.init, return_shape=True)(abstract))
     state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     _refuse_keys(state, state_leaves)
-    init = _traced("inner.init", lambda: jax.make_jaxpr(inner.init)(abstract))
     extra = {k: jax.ShapeDtypeStruct(np.shape(v), jax.numpy.result_type(v)) for k, v in extra_args.items()}
     update, (updates, new_state) = _traced(
         "inner.update",
