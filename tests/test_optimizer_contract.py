@@ -83,13 +83,17 @@ def _problem() -> tuple[Any, Any]:
     return params, loss
 
 
-def _train(tx: optax.GradientTransformation, state: Any, params: Any, loss: Any) -> Any:
-    for _ in range(STEPS):
+def _steps(tx: optax.GradientTransformation, state: Any, params: Any, loss: Any, steps: int) -> tuple[Any, Any]:
+    for _ in range(steps):
         value, grads = jax.value_and_grad(loss)(params)
         # As optax's own tests do, every optimizer is given the loss; those that do not take it ignore it.
         updates, state = tx.update(grads, state, params, value=value)
         params = optax.apply_updates(params, updates)
-    return params
+    return params, state
+
+
+def _train(tx: optax.GradientTransformation, state: Any, params: Any, loss: Any) -> Any:
+    return _steps(tx, state, params, loss, STEPS)[0]
 
 
 def _assert_close(actual: Any, expected: Any, start: Any) -> None:
@@ -192,3 +196,34 @@ def test_a_planted_global_norm_transformation_is_refused_by_name_before_anything
     with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*test_optimizer_contract\.py"):
         tx.init(params)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def with_none_and_empty_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` with a ``None`` and a zero-size array beside its state, per leaf and shared."""
+
+    def init_fn(params):
+        per_leaf = jax.tree.map(lambda p: (None, jnp.zeros((0, *p.shape[1:]))), params)
+        return inner.init(params), per_leaf, None, jnp.zeros((0,), jnp.int32)
+
+    def update_fn(updates, state, params=None):
+        inner_state, per_leaf, nothing, empty = state
+        updates, inner_state = inner.update(updates, inner_state, params)
+        return updates, (inner_state, per_leaf, nothing, empty + 1)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def test_none_and_empty_state_leaves_are_laid_out_as_nothing_and_come_back_as_they_were(tmp_path):
+    start, loss = _problem()
+    options = {"host_cache": 0, "subgroup_size": SUBGROUP_SIZE, "paths": tmp_path}
+    inner = optax.with_extra_args_support(with_none_and_empty_state(optax.adam(1e-2)))
+    with jax_mlp.mlp_offload(inner, **options) as tx:
+        state = tx.init(start)
+        assert len(tx.offloader.plan.subgroups) >= 3
+        params, _ = _steps(tx, state, start, loss, STEPS - 1)
+    with jax_mlp.mlp_offload(inner, resume=True, **options) as tx:
+        state = tx.init(params)
+        _, _, nothing, empty = state.shared
+        assert nothing is None and empty.shape == (0,) and empty.dtype == jnp.int32
+        offloaded, _ = _steps(tx, state, params, loss, 1)
+    _assert_close(offloaded, _train(inner, inner.init(start), start, loss), start)
