@@ -410,6 +410,25 @@ def check_optimizer(
     return OptimizerCheck(_row_coupled(traced, owner), time.perf_counter() - start)
 
 
+def check_extra_args(inner: optax.GradientTransformation, plan: partition.Plan, extra_args: Mapping[str, Any]) -> None:
+    """Checks ``inner`` given extra arguments that ``init`` did not check it with, against the plan it made.
+
+    Raises:
+      CoupledOptimizerError: given them, the optimizer reads across leaves.
+      OffloadError: given them, it mixes the rows of a leaf that the plan cut into row chunks.
+    """
+    leaves = [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in plan.leaves]
+    check = check_optimizer(inner, jax.tree_util.tree_unflatten(plan.treedef, leaves), plan.master_dtype, extra_args)
+    split = {p.leaf for sg in plan.subgroups for p in sg.pieces if p.rows is not None}
+    mixed = sorted(split & check.whole_leaves)
+    if mixed:
+        raise OffloadError(
+            f"given the extra arguments {sorted(extra_args)}, the inner optimizer mixes the rows of param "
+            f"{plan.leaves[mixed[0]].path}, which this plan cuts into row chunks; declare them when creating it, "
+            f"mlp_offload(..., extra_args=...), so that init keeps that leaf whole. Otherwise {REMEDY}"
+        )
+
+
 def _trace(inner: optax.GradientTransformationExtraArgs, params: Any, master_dtype, extra_args: dict) -> _Traced:
     """Traces ``inner.init`` and ``inner.update`` on the abstract tree; refuses randomness on the way."""
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

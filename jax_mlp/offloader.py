@@ -194,7 +194,9 @@ class Offloader(ClosesOnExit):
             placement.shards,
             whole_leaves=check.whole_leaves,
         )
-        notes = {"check_s": check.seconds, "whole_leaf_subgroups": _oversized_whole(plan, check, config.subgroup_size)}
+        oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
+        _warn_of(oversized, plan, config.subgroup_size)
+        notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
         paths = [
             open_path(p, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock)
             for p in config.paths
@@ -308,7 +310,7 @@ class Offloader(ClosesOnExit):
         live = self._check_state(state)
         grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
         extra = self._checked_extra(live.plan, extra_args)
-        shared = _shared_leaves(live.stream, state.shared)
+        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
         new_shared = live.stream.programs.shared_update(
             jax.tree_util.tree_unflatten(_treedef(live.stream), shared), extra
         )
@@ -331,27 +333,11 @@ class Offloader(ClosesOnExit):
         return new_updates, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
 
     def _checked_extra(self, plan: Plan, extra_args: dict[str, Any]) -> dict[str, jax.Array]:
-        """The extra arguments as arrays, checked with the optimizer once per combination of names and shapes.
-
-        Raises:
-          OffloadError: one is not an array, or the optimizer reads across leaves (or across the rows
-            of a leaf the plan splits) when given them.
-        """
-        extra = {name: _extra_array(name, value) for name, value in extra_args.items()}
+        """The extra arguments as arrays; the optimizer is checked with each new combination of their shapes."""
+        extra = inputs.extra_arrays(extra_args)
         signature = tuple(sorted((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in extra.items()))
         if signature not in self._checked_extra_args:
-            abstract = jax.tree_util.tree_unflatten(
-                plan.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in plan.leaves]
-            )
-            check = dependence.check_optimizer(self.inner, abstract, plan.master_dtype, extra)
-            split = sorted({p.leaf for sg in plan.subgroups for p in sg.pieces if p.rows is not None})
-            mixed = [plan.leaves[i].path for i in split if i in check.whole_leaves]
-            if mixed:
-                raise OffloadError(
-                    f"given the extra arguments {sorted(extra)}, the inner optimizer mixes the rows of param "
-                    f"{mixed[0]}, which this plan splits into row chunks; declare them at creation, "
-                    "mlp_offload(..., extra_args=...), so init keeps it whole, or use a leaf-wise optimizer"
-                )
+            dependence.check_extra_args(self.inner, plan, extra)
             self._checked_extra_args.add(signature)
         return extra
 
@@ -370,42 +356,7 @@ def _treedef(stream: StateStream) -> Any:
     return jax.tree_util.tree_structure(stream.programs.shared_shapes)
 
 
-def _shared_leaves(stream: StateStream, shared: Any) -> list[jax.Array]:
-    """The handle's shared state leaves, cast to the dtypes the records hold.
-
-    Raises:
-      OffloadError: the user replaced the shared state by one of another structure or shapes.
-    """
-    shapes = stream.programs.shared_shapes
-    expected = jax.tree_util.tree_leaves(shapes)
-    leaves, treedef = jax.tree_util.tree_flatten(shared)
-    if treedef != jax.tree_util.tree_structure(shapes) or any(
-        jnp.shape(x) != e.shape for x, e in zip(leaves, expected, strict=True)
-    ):
-        raise OffloadError(
-            f"the shared state of the opt_state passed to update ({treedef}) is not the one init returned "
-            f"({jax.tree_util.tree_structure(shapes)} of shapes {[e.shape for e in expected]}); change its values, "
-            "keeping their structure and shapes, e.g. state.hyperparams['learning_rate'] = 1e-4"
-        )
-    return [jnp.asarray(x, e.dtype) for x, e in zip(leaves, expected, strict=True)]
-
-
-def _extra_array(name: str, value: Any) -> jax.Array:
-    if isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
-        return jnp.asarray(value)
-    raise OffloadError(
-        f"update got the extra argument {name}={type(value).__name__}; mlp_offload passes only arrays on to the "
-        "inner optimizer, the same to every subgroup: pass it as an array, or use it outside mlp_offload"
-    )
-
-
-def _oversized_whole(plan: Plan, check: dependence.OptimizerCheck, subgroup_size: int) -> dict[str, int]:
-    """Each leaf kept whole (its optimizer mixes its rows) in a subgroup above ``subgroup_size``; warns of them."""
-    oversized = {  # such a leaf above subgroup_size is a subgroup of its own (see partition.make_plan)
-        plan.leaves[sg.pieces[0].leaf].path: sg.index
-        for sg in plan.subgroups
-        if len(sg.pieces) == 1 and sg.pieces[0].leaf in check.whole_leaves and sg.layout.nbytes > subgroup_size
-    }
+def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:
     for leaf, index in oversized.items():
         warnings.warn(
             f"param {leaf} is kept whole in subgroup {index}, of {plan.subgroups[index].layout.nbytes} bytes, above "
@@ -413,4 +364,3 @@ def _oversized_whole(plan: Plan, check: dependence.OptimizerCheck, subgroup_size
             "cutting it into row chunks would change the math. Expect that subgroup to take more memory and time",
             stacklevel=4,
         )
-    return oversized

@@ -302,6 +302,18 @@ def _refuse_cut_whole_leaves(
             )
 
 
+def oversized_whole_leaves(plan: Plan, whole_leaves: frozenset[int], subgroup_size: int) -> dict[str, int]:
+    """Each leaf of ``whole_leaves`` that, kept whole, exceeds ``subgroup_size``: its path, and its subgroup's index.
+
+    Such a leaf is a subgroup of its own (see :func:`make_plan`).
+    """
+    return {
+        plan.leaves[sg.pieces[0].leaf].path: sg.index
+        for sg in plan.subgroups
+        if len(sg.pieces) == 1 and sg.pieces[0].leaf in whole_leaves and sg.layout.nbytes > subgroup_size
+    }
+
+
 def _hash_plan(treedef: Any, specs: Sequence[LeafSpec], subgroups: Sequence[Subgroup], master_dtype) -> bytes:
     digest = hashlib.sha256()
     digest.update(repr(treedef).encode())

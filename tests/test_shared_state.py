@@ -182,3 +182,31 @@ def test_an_undeclared_extra_argument_is_checked_at_its_first_update(tmp_path):
             tx.update(grads_at(start, 0), state, start, obj_fn=lambda p: p)
         _, state = tx.update(grads_at(start, 0), state, start)  # the step was left intact
         assert int(state.step) == 1
+
+
+def leaf_norm_if_given() -> optax.GradientTransformationExtraArgs:
+    """Element-wise without ``value``; with it, each update is divided by its own leaf's norm (rows mix)."""
+
+    def update_fn(updates, state, params=None, *, value=None, **extra_args):
+        del params, extra_args
+        if value is None:
+            return updates, state
+        return jax.tree.map(lambda u: u * value / jnp.linalg.norm(u), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def test_an_undeclared_extra_argument_that_mixes_the_rows_of_a_split_leaf_is_refused(tmp_path):
+    start = make_params(SHAPES)
+    inner = optax.chain(optax.adam(1e-2), leaf_norm_if_given())
+    with jax_mlp.mlp_offload(inner, paths=tmp_path / "a", **OPTIONS) as tx:
+        state = tx.init(start)
+        with pytest.raises(jax_mlp.OffloadError, match=r"mixes the rows of param \['w'\], which this plan cuts"):
+            tx.update(grads_at(start, 0), state, start, value=jnp.float32(1.0))
+    declared = {"value": jax.ShapeDtypeStruct((), jnp.float32)}
+    with jax_mlp.mlp_offload(inner, paths=tmp_path / "b", extra_args=declared, **OPTIONS) as tx:
+        with pytest.warns(UserWarning, match=r"param \['w'\] is kept whole"):
+            state = tx.init(start)
+        assert all(p.rows is None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
+        _, state = tx.update(grads_at(start, 0), state, start, value=jnp.float32(1.0))
+        assert int(state.step) == 1
