@@ -581,19 +581,18 @@ def _coupling_error(names: Sequence[str], coupled: Sequence[int], first_mix: tup
 
 
 def _refuse_dependent_shared(inner: optax.GradientTransformation, traced: _Traced, owner: Sequence[int | None]) -> None:
-    """Raises if state that even a view with no leaves holds (one copy per subgroup) depends on a leaf."""
-    names = traced.names
-    if len(names) < 2 or all(o is None for o in owner):
+    """Raises if state that even a view with no leaves holds (every subgroup's copy, the handle's) depends on a leaf."""
+    if all(o is None for o in owner):
         return
-    empty = jax.tree_util.tree_unflatten(traced.treedef, [None] * len(names))
+    empty = jax.tree_util.tree_unflatten(traced.treedef, [None] * len(traced.names))
     shared = {path for path, _ in jax.tree_util.tree_flatten_with_path(partition.init_shapes(inner, empty))[0]}
     for (path, _), leaf in zip(traced.state_leaves, owner, strict=True):
         if leaf is not None and path in shared:
-            other = names[1] if leaf == 0 else names[0]
             raise CoupledOptimizerError(
                 f"the inner optimizer's state {_describe(traced.state, path)} is one value for the whole tree, but its "
-                f"new value is computed from param leaf {names[leaf]}: each subgroup holds its own copy, and one "
-                f"without {names[leaf]} (holding {other}, say) would compute another value than in memory. {REMEDY}"
+                f"new value is computed from param leaf {traced.names[leaf]}: every subgroup holds a copy and is given "
+                "the same value, so a subgroup without that leaf (or with a part of it) would compute another value "
+                f"than in memory. {REMEDY}"
             )
 
 

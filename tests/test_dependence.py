@@ -145,6 +145,13 @@ def test_shared_state_computed_from_a_leaf_is_refused():
     assert NAMES[0] in str(caught.value)
 
 
+def test_shared_state_computed_from_the_only_leaf_is_refused_too():
+    # Its row chunks would each compute their own value; the handle holds one for all subgroups.
+    single = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
+    with pytest.raises(CoupledOptimizerError, match=r"\.estim_lr \(DAdaptAdamWState\) is one value"):
+        check_optimizer(optax.contrib.dadapt_adamw(1.0), single, None)
+
+
 def per_leaf_control_flow() -> optax.GradientTransformation:
     """Leaf-wise and row-wise, but through a jit over the whole tree, a cond, a fori_loop and a scan."""
 
