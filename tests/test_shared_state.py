@@ -50,6 +50,7 @@ def test_changing_the_learning_rate_at_step_5_matches_inject_hyperparams_in_memo
         params, state = train(tx, start, state, range(STEPS))
     expected_state = assert_matches_optax(params, start)
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(NEW_RATE)
+    assert float(optax.tree_utils.tree_get(state, "learning_rate")) == pytest.approx(NEW_RATE)
     assert int(state.shared.count) == int(expected_state.count) == STEPS
     # The change mattered: without it, the params differ by far more than the tolerance.
     unchanged = optax.adamw(1e-2, weight_decay=1e-3)
