@@ -94,6 +94,33 @@ class LeafPlacement(NamedTuple):
             leaves.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
         return leaves
 
+    def blocks_of(self, leaf: int, shape: tuple[int, ...]) -> list[tuple[tuple[tuple[int, int], ...], jax.Device]]:
+        """Every block of a sharded leaf, over all processes, with the first device holding it.
+
+        The order is the sharding's device order, the same in every process; that first device
+        holds the block's replica 0.
+        """
+        first: dict[tuple[tuple[int, int], ...], jax.Device] = {}
+        for device, index in self.shardings[leaf].devices_indices_map(shape).items():
+            first.setdefault(partition.shard_box(index, shape), device)
+        return list(first.items())
+
+    def written_here(self, leaf: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...] | None) -> bool:
+        """Whether this process writes ``box`` (inside one block of leaf ``leaf``, or None: all of it) to a checkpoint.
+
+        Each block is written once over all processes: by the process holding its replica 0; a leaf
+        on one device (each process has its own) by process 0, as orbax's primary host.
+        """
+        if self.shardings[leaf] is None:
+            return jax.process_index() == 0
+        corner = tuple(start for start, _ in box)
+        device = next(
+            device
+            for block, device in self.blocks_of(leaf, shape)
+            if all(lo <= at < hi for at, (lo, hi) in zip(corner, block, strict=True))
+        )
+        return device.process_index == jax.process_index()
+
     def block_keys(self, plan: Plan, devices: Sequence[jax.Device]) -> dict[int, list[BlockKey]]:
         """Per device, for each leaf, the key of the update block that device receives."""
         owners = self.owners(plan)
