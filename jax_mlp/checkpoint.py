@@ -704,4 +704,4 @@ def _placed(
     if sharding is None:
         return jax.device_put(blocks[index, None], target)
     array = jax.make_array_from_callback(shape, sharding, lambda at: blocks[index, partition.shard_box(at, shape)])
-    return array if target is None or target.is_equivalent_to(sharding, len(shape)) else jax.device_put(array, target)
+    return array if target is None or target == sharding else jax.device_put(array, target)
