@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -231,8 +232,12 @@ def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[_Region, 
     return tuple(regions)
 
 
+@functools.lru_cache(maxsize=8)
 def _layout(inner: optax.GradientTransformation, plan: Plan) -> _Layout:
-    """The standard layout of ``plan``, and the region of every record field in it."""
+    """The standard layout of ``plan``, and the region of every record field in it.
+
+    Cached: it traces ``inner.init`` once per split or sharded leaf, and every save of a run needs it.
+    """
     tree = standard_layout(inner, _abstract_params(plan), plan.master_dtype)
     path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = tuple(jax.tree_util.keystr(path) for path, _ in path_leaves)

@@ -100,10 +100,7 @@ class LeafPlacement(NamedTuple):
         The order is the sharding's device order, the same in every process; that first device
         holds the block's replica 0.
         """
-        first: dict[tuple[tuple[int, int], ...], jax.Device] = {}
-        for device, index in self.shardings[leaf].devices_indices_map(shape).items():
-            first.setdefault(partition.shard_box(index, shape), device)
-        return list(first.items())
+        return _first_holders(self.shardings[leaf], shape)
 
     def written_here(self, leaf: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...] | None) -> bool:
         """Whether this process writes ``box`` (inside one block of leaf ``leaf``, or None: all of it) to a checkpoint.
@@ -128,6 +125,15 @@ class LeafPlacement(NamedTuple):
             device.id: [(index, None if of is None else of[device]) for index, of in enumerate(owners)]
             for device in devices
         }
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_holders(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list:
+    """Each block of a leaf of ``shape`` with ``sharding``, and the first device holding it (a save asks per region)."""
+    first: dict[tuple[tuple[int, int], ...], jax.Device] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        first.setdefault(partition.shard_box(index, shape), device)
+    return list(first.items())
 
 
 @functools.cache

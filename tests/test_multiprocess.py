@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +28,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 CHILD = textwrap.dedent(
     """
-    import os, sys
+    import json, os, sys
     sys.path.insert(0, sys.argv[5])
     import jax, numpy as np
     # jax.distributed ends a process whose peer died once its heartbeat times out: keep that above
@@ -61,6 +64,9 @@ CHILD = textwrap.dedent(
         tx = jax_mlp.mlp_offload(inner, paths=paths, subgroup_size="16KiB", peer_timeout=10, resume=mode == "resume")
         state = tx.init(params)
     print(f"init at {int(state.step)}", flush=True)
+    written = []  # the regions a save writes, by standard-layout leaf: each element once over both processes
+    region_of = jax_mlp.checkpoint._region_of
+    jax_mlp.checkpoint._region_of = lambda array, region: written.append(region[:2]) or region_of(array, region)
     update = jax.jit(tx.update) if mode == "jit" else tx.update
     for step in range(int(state.step), 10):
         if mode == "save" and step == 4:  # saved in the background while training goes on
@@ -70,6 +76,8 @@ CHILD = textwrap.dedent(
         updates, state = update(grads_at(params, step), state, params)
         params = optax.apply_updates(params, updates)
     manager.close()
+    if mode == "save":
+        print("written", json.dumps(written), flush=True)
     tx.close()
     shards = {}
     for leaf_index, leaf in enumerate(jax.tree.leaves(params)):
@@ -191,8 +199,16 @@ def test_a_peer_killed_during_update_makes_the_survivor_fail_clearly(tmp_path):
 
 def test_two_processes_save_a_sharded_checkpoint_that_restores_in_two_processes_and_in_one(tmp_path):
     """Saved at step 4 beside training by two processes; restored into two, and into one on a 1x8 mesh."""
-    finish(launch(tmp_path, "save"))
+    outputs = finish(launch(tmp_path, "save"))
     assert_matches_single_process_optax(tmp_path)
+    layout = jax.tree.leaves(jax_mlp.standard_layout(optax.adamw(1e-2, weight_decay=0.1), make_params()))
+    elements = [[0] * len(layout) for _ in outputs]
+    for me, out in enumerate(outputs):
+        for leaf, box in json.loads(re.search(r"^written (.*)$", out, re.MULTILINE).group(1)):
+            elements[me][leaf] += math.prod(layout[leaf].shape if box is None else [b - a for a, b in box])
+    print("elements each process wrote into the checkpoint:", elements)
+    assert [a + b for a, b in zip(*elements, strict=True)] == [math.prod(x.shape) for x in layout], "not once"
+    assert 0 < sum(elements[1]) < sum(elements[0]), "process 0 writes the replicas both hold and the shared leaves"
     outputs = finish(launch(tmp_path, "restore"))
     assert all("init at 4" in out for out in outputs), outputs
     assert_matches_single_process_optax(tmp_path)
