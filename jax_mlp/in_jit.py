@@ -90,7 +90,9 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
 
 
 def _spans_devices(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+    """Whether ``leaf`` (an array, or a restore's ``jax.ShapeDtypeStruct``) is sharded over several devices."""
+    sharding = getattr(leaf, "sharding", None)
+    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) and sharding is not None and len(sharding.device_set) > 1
 
 
 def _first_cpu_device() -> jax.Device:

@@ -115,6 +115,11 @@ class Offloader(ClosesOnExit):
         return None if self._live is None else self._live.plan
 
     @property
+    def placement(self) -> LeafPlacement:
+        """Each leaf's sharding and owned shards, as at ``init``."""
+        return self._require_live().placement
+
+    @property
     def step(self) -> int:
         """The step the tiers hold (0 before ``init``)."""
         return 0 if self._live is None else self._live.stream.step

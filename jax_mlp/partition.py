@@ -141,15 +141,19 @@ def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
     Of the replicas of a block held by this process's devices, the one with the lowest
     ``replica_id`` owns it; the others receive its update. A block replicated on other processes is
     owned there too: each process updates the blocks it holds, so no update waits on a peer.
+    ``leaf`` is an array or a ``jax.ShapeDtypeStruct`` with a sharding (a restore's params).
     """
-    if not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) == 1:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is None or len(sharding.device_set) == 1:
         return None
     owners: dict[tuple, Any] = {}
-    for shard in leaf.addressable_shards:
-        box = shard_box(shard.index, leaf.shape)
-        if box not in owners or shard.replica_id < owners[box].replica_id:
-            owners[box] = shard
-    return tuple(Shard(box, shard.device.id) for box, shard in sorted(owners.items(), key=lambda kv: kv[1].device.id))
+    process = jax.process_index()
+    # Replica ids count the devices holding a block in this order (jax's device_replica_id_map).
+    for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
+        box = shard_box(index, tuple(leaf.shape))
+        if device.process_index == process and box not in owners:
+            owners[box] = device
+    return tuple(Shard(box, device.id) for box, device in sorted(owners.items(), key=lambda kv: kv[1].id))
 
 
 def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values: Sequence[Any]) -> Any:
