@@ -7,6 +7,7 @@ from jax_mlp.checkpoint import OffloadCheckpointHandler, OffloadRestore, Offload
 from jax_mlp.config import OffloadConfig, Path, parse_rate, parse_size
 from jax_mlp.errors import OffloadError, PathError, PeerError, RecordError
 from jax_mlp.offloader import Offloader, OffloadState
+from jax_mlp.quantized import QuantizedState, quantized_state
 from jax_mlp.stats import UpdateStats
 from jax_mlp.transform import OffloadTransformation, mlp_offload
 
@@ -22,11 +23,13 @@ __all__ = [
     "Path",
     "PathError",
     "PeerError",
+    "QuantizedState",
     "RecordError",
     "UpdateStats",
     "mlp_offload",
     "parse_rate",
     "parse_size",
+    "quantized_state",
     "restore_params",
     "standard_layout",
 ]
