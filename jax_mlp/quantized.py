@@ -7,14 +7,16 @@ the disks all carry the small form.
 
 Which leaves are compressed is decided from the part of a leaf's shape that a row split keeps
 (``shape[1:]``), so a row chunk of a leaf is compressed exactly as those rows of the whole leaf:
-floating leaves wider than the codec with ``ndim >= 2`` and a last axis of at least ``MIN_LAST_AXIS``.
-Integer counts, scalars, vectors (biases, norms) and narrow leaves stay as they are.
+float32 leaves with ``ndim >= 2`` and a last axis of at least ``MIN_LAST_AXIS``. Integer counts,
+scalars, vectors (biases, norms), narrow leaves and state already in low precision stay as they are.
+A compressed leaf is one plain array, uint8 (int8 codes) or uint16 (bf16 bits), so ``nnx.Optimizer``,
+orbax and ``mlp_offload``'s records handle it like any other leaf.
 
 - ``"bf16"``: round to nearest even, or stochastic rounding whose random bits are a hash of the
   bits bf16 keeps, the column, the step and the leaf's tree path: no PRNG state, reproducible, the
   same for a row chunk as for those rows of the whole leaf, so bits never depend on the tiering.
-- ``"int8"``: blocks of ``BLOCK_SIZE`` along the last axis, each with a float32 scale; the codes are
-  uint8 indices into a dynamic (exponent + fraction) map. A block that holds a negative value uses
+- ``"int8"``: blocks of ``BLOCK_SIZE`` along the last axis, each with a float32 scale kept at the
+  end of its row; the codes are uint8 indices into a dynamic (exponent + fraction) map. A block that holds a negative value uses
   the signed map on ``x / absmax`` (its scale is stored negated); a non-negative block (adam's ``nu``)
   uses the unsigned map on ``sqrt(x) / max sqrt(x)``. Its seven decades of ``sqrt`` span fourteen
   of ``nu``, so small ``nu`` never underflows to zero, as a linear absmax map's does (measured in
@@ -23,7 +25,6 @@ Integer counts, scalars, vectors (biases, norms) and narrow leaves stay as they 
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from typing import Any, NamedTuple
 
@@ -60,32 +61,6 @@ _SIGNED_MAP = dynamic_map(signed=True)
 _UNSIGNED_MAP = dynamic_map(signed=False)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Bf16Leaf:
-    """A state leaf held in bfloat16; ``dtype`` is the dtype it is restored to."""
-
-    value: jax.Array
-    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Int8Leaf:
-    """A state leaf as blockwise 8-bit codes.
-
-    Attributes:
-      codes: uint8 indices into the dynamic map, the leaf's shape.
-      scales: float32, ``(*shape[:-1], blocks)``: per row, one scale per block of the last axis, so
-        the rows of a leaf's state are the state of those rows. Negative: a signed block.
-      dtype: the dtype the leaf is restored to.
-    """
-
-    codes: jax.Array
-    scales: jax.Array
-    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
-
-
 class QuantizedState(NamedTuple):
     """The state of :func:`quantized_state`: its step count and ``inner``'s compressed state."""
 
@@ -93,16 +68,22 @@ class QuantizedState(NamedTuple):
     inner: Any
 
 
-def compressible(leaf: Any, codec: str) -> bool:
-    """Whether ``codec`` compresses a state leaf; decided from ``shape[1:]``, so row chunks agree."""
-    dtype = np.dtype(leaf.dtype)
-    width = 2 if codec == "bf16" else 1
-    return (
-        jnp.issubdtype(dtype, jnp.floating)
-        and dtype.itemsize > width
-        and leaf.ndim >= 2
-        and leaf.shape[-1] >= MIN_LAST_AXIS
-    )
+def compressible(leaf: Any) -> bool:
+    """Whether a state leaf is compressed: float32, ``ndim >= 2``, a last axis of ``MIN_LAST_AXIS`` or more.
+
+    Decided from ``shape[1:]`` only, so a row chunk of a leaf is compressed as the whole leaf is.
+    """
+    return np.dtype(leaf.dtype) == np.float32 and leaf.ndim >= 2 and leaf.shape[-1] >= MIN_LAST_AXIS
+
+
+def packed_width(n: int) -> int:
+    """The last axis of an int8-coded row of ``n`` values: ``n`` codes, then 4 bytes per block's scale."""
+    return n + 4 * -(-n // BLOCK_SIZE)
+
+
+def _unpacked_width(width: int) -> int:
+    # packed_width is strictly increasing, and its inverse is this: the block count is ceil(width / (B + 4)).
+    return width - 4 * -(-width // (BLOCK_SIZE + 4))
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -122,7 +103,7 @@ def _stochastic_bf16(x: jax.Array, count: jax.Array, seed: int) -> jax.Array:
     only the kept bits means a value one fp32 ulp off (another XLA fusion) draws the same bits, so
     its rounding changes as rarely as round to nearest even does.
     """
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     column = jax.lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1)
     salt = _mix(count.astype(jnp.uint32) * np.uint32(0x9E3779B9) ^ np.uint32(seed))
     noise = _mix(_mix((bits >> 16) ^ salt) + column) & np.uint32(0xFFFF)
@@ -144,37 +125,44 @@ def _nearest(values: np.ndarray, x: jax.Array) -> jax.Array:
     return jnp.searchsorted(midpoints, x).astype(jnp.uint8)
 
 
-def quantize_int8(x: jax.Array) -> Int8Leaf:
-    """Blockwise 8-bit codes of ``x`` along its last axis (see the module docstring)."""
-    blocks = _blocks(x.astype(jnp.float32))
+def quantize_int8(x: jax.Array) -> jax.Array:
+    """Blockwise 8-bit codes of float32 ``x`` along its last axis, as uint8 ``(*shape[:-1], packed_width(n))``.
+
+    Each row holds its ``n`` codes, then each block's float32 scale as 4 bytes (negative: a signed
+    block). One plain array per leaf, so the codes travel with any framework's state handling, and
+    the rows of a leaf's codes are the codes of those rows.
+    """
+    n = x.shape[-1]
+    blocks = _blocks(x)
     non_negative = jnp.all(blocks >= 0, axis=-1, keepdims=True)
     magnitude = jnp.where(non_negative, jnp.sqrt(jnp.abs(blocks)), blocks)
     absmax = jnp.max(jnp.abs(magnitude), axis=-1, keepdims=True)
     normalized = magnitude / jnp.where(absmax > 0, absmax, 1)
     codes = jnp.where(non_negative, _nearest(_UNSIGNED_MAP, normalized), _nearest(_SIGNED_MAP, normalized))
-    n = x.shape[-1]
-    codes = codes.reshape(*x.shape[:-1], -1)[..., :n]
     scales = jnp.where(non_negative, absmax, -absmax)[..., 0]
-    return Int8Leaf(codes, scales, np.dtype(x.dtype))
+    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(*x.shape[:-1], -1)
+    return jnp.concatenate([codes.reshape(*x.shape[:-1], -1)[..., :n], scale_bytes], axis=-1)
 
 
-def dequantize_int8(leaf: Int8Leaf) -> jax.Array:
-    """The values an :class:`Int8Leaf` stands for, in its dtype."""
-    n = leaf.codes.shape[-1]
-    codes = _blocks(leaf.codes.astype(jnp.int32))
-    scales = leaf.scales[..., None]
+def dequantize_int8(packed: jax.Array) -> jax.Array:
+    """The float32 values that :func:`quantize_int8`'s ``packed`` codes stand for."""
+    n = _unpacked_width(packed.shape[-1])
+    codes = _blocks(packed[..., :n].astype(jnp.int32))
+    scales = jax.lax.bitcast_convert_type(packed[..., n:].reshape(*packed.shape[:-1], -1, 4), jnp.float32)[..., None]
     unsigned = (jnp.asarray(_UNSIGNED_MAP)[codes] * scales) ** 2
     signed = jnp.asarray(_SIGNED_MAP)[codes] * -scales
     values = jnp.where(scales >= 0, unsigned, signed)
-    return values.reshape(*leaf.codes.shape[:-1], -1)[..., :n].astype(leaf.dtype)
+    return values.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
-def _is_compressed(x: Any) -> bool:
-    return isinstance(x, Bf16Leaf | Int8Leaf)
+_CODE_DTYPES = {np.dtype(np.uint8): "int8", np.dtype(np.uint16): "bf16"}
 
 
 def compress(state: Any, codec: str, count: jax.Array, *, stochastic: bool = False) -> Any:
-    """``state`` with each :func:`compressible` leaf compressed by ``codec``.
+    """``state`` with each :func:`compressible` leaf encoded by ``codec``.
+
+    A compressed leaf is a plain array whose dtype says its codec: uint8 for int8 codes
+    (:func:`quantize_int8`), uint16 for bf16 bits. Either decompresses to float32.
 
     Args:
       state: an optax state tree.
@@ -184,30 +172,39 @@ def compress(state: Any, codec: str, count: jax.Array, *, stochastic: bool = Fal
     """
 
     def one(path: Any, leaf: Any) -> Any:
-        if not compressible(leaf, codec):
+        if not compressible(leaf):
             return leaf
         if codec == "int8":
             return quantize_int8(leaf)
-        if stochastic:
-            return Bf16Leaf(
-                _stochastic_bf16(leaf, count, zlib.crc32(jax.tree_util.keystr(path).encode())), np.dtype(leaf.dtype)
-            )
-        return Bf16Leaf(leaf.astype(jnp.bfloat16), np.dtype(leaf.dtype))
+        seed = zlib.crc32(jax.tree_util.keystr(path).encode())
+        rounded = _stochastic_bf16(leaf, count, seed) if stochastic else leaf.astype(jnp.bfloat16)
+        return jax.lax.bitcast_convert_type(rounded, jnp.uint16)
 
     return jax.tree_util.tree_map_with_path(one, state)
 
 
 def decompress(state: Any) -> Any:
-    """The inverse of :func:`compress`: each compressed leaf back in its dtype."""
+    """The inverse of :func:`compress`: each uint8 or uint16 leaf back in float32."""
 
     def one(leaf: Any) -> Any:
-        if isinstance(leaf, Int8Leaf):
+        codec = _CODE_DTYPES.get(np.dtype(leaf.dtype))
+        if codec == "int8":
             return dequantize_int8(leaf)
-        if isinstance(leaf, Bf16Leaf):
-            return leaf.value.astype(leaf.dtype)
+        if codec == "bf16":
+            return jax.lax.bitcast_convert_type(leaf, jnp.bfloat16).astype(jnp.float32)
         return leaf
 
-    return jax.tree_util.tree_map(one, state, is_leaf=_is_compressed)
+    return jax.tree_util.tree_map(one, state)
+
+
+def _check_codable(state: Any) -> None:
+    """Refuses an inner state that holds uint8 or uint16 leaves of its own: they would read as codes."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if np.dtype(leaf.dtype) in _CODE_DTYPES:
+            raise ValueError(
+                f"quantized_state cannot wrap an optimizer whose state leaf {jax.tree_util.keystr(path)} is "
+                f"{np.dtype(leaf.dtype)}: that dtype marks compressed leaves; wrap an optimizer with float state"
+            )
 
 
 def quantized_state(
@@ -222,14 +219,15 @@ def quantized_state(
       inner: an optax transformation, typically adam-like (the state of each param leaf has its shape).
       codec: ``"bf16"`` (round to nearest even) or ``"int8"`` (blocks of 256 along the last axis,
         dynamic map, ``sqrt`` for non-negative blocks).
-      stochastic: with ``"bf16"``, round stochastically, reproducibly (a hash of value, column,
-        step and leaf path, not a PRNG).
+      stochastic: with ``"bf16"``, round stochastically, reproducibly (random bits from a hash of
+        the bits kept, the column, the step and the leaf's path, not a PRNG).
 
     Returns:
       An optax transformation whose state is a :class:`QuantizedState`.
 
     Raises:
-      ValueError: for an unknown codec, or ``stochastic`` with ``"int8"``.
+      ValueError: for an unknown codec, or ``stochastic`` with ``"int8"``; at ``init``, for an inner
+        state with uint8 or uint16 leaves (the dtypes of compressed leaves).
     """
     if codec not in CODECS:
         raise ValueError(f"quantized_state codec {codec!r} is not one of {CODECS}")
@@ -239,7 +237,9 @@ def quantized_state(
 
     def init(params: Any) -> QuantizedState:
         count = jnp.zeros([], jnp.int32)
-        return QuantizedState(count, compress(inner.init(params), codec, count, stochastic=stochastic))
+        state = inner.init(params)
+        _check_codable(state)
+        return QuantizedState(count, compress(state, codec, count, stochastic=stochastic))
 
     def update(updates: Any, state: QuantizedState, params: Any = None, **extra_args: Any) -> tuple:
         count = optax.safe_increment(state.count)

@@ -14,7 +14,7 @@ from conftest import assert_same_bits, grads_at, make_params, max_relative_devia
 
 import jax_mlp
 from jax_mlp import quantized
-from jax_mlp.quantized import Bf16Leaf, Int8Leaf, quantized_state
+from jax_mlp.quantized import quantized_state
 
 STEPS = 10
 SUBGROUP = "16KiB"
@@ -35,10 +35,10 @@ def _block_max(x: np.ndarray) -> np.ndarray:
 
 def test_int8_signed_values_are_within_a_code_step_of_the_block_max():
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (7, 600)) * jnp.logspace(-3, 2, 600))
-    leaf = quantized.quantize_int8(jnp.asarray(x))
-    assert leaf.codes.dtype == jnp.uint8 and leaf.codes.shape == x.shape
-    assert leaf.scales.shape == (7, 3)  # per row, one scale per block of the last axis
-    error = np.abs(np.asarray(quantized.dequantize_int8(leaf)) - x)
+    packed = quantized.quantize_int8(jnp.asarray(x))
+    assert packed.dtype == jnp.uint8 and packed.shape == (7, 600 + 3 * 4)  # per row: codes, then 3 scales
+    assert quantized.packed_width(600) == 612
+    error = np.abs(np.asarray(quantized.dequantize_int8(packed)) - x)
     assert np.all(error <= 0.008 * _block_max(x))
 
 
@@ -57,16 +57,16 @@ def test_int8_second_moment_never_underflows_and_keeps_its_top_decades_precise()
 
 def test_bf16_rounds_to_nearest_even_or_stochastically_without_bias():
     x = jnp.full((4, 4096), 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bf16 ulp above 1
-    nearest = quantized.compress({"m": x}, "bf16", jnp.int32(3))["m"]
-    assert isinstance(nearest, Bf16Leaf)
-    np.testing.assert_array_equal(np.asarray(nearest.value), np.asarray(x.astype(jnp.bfloat16)))
-    stochastic = quantized.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)["m"].value.astype(jnp.float32)
-    ups = np.mean(np.asarray(stochastic) > 1.0)
+    nearest = quantized.compress({"m": x}, "bf16", jnp.int32(3))
+    assert nearest["m"].dtype == jnp.uint16  # the bf16 bits
+    np.testing.assert_array_equal(np.asarray(quantized.decompress(nearest)["m"]), np.asarray(x.astype(jnp.bfloat16)))
+    stochastic = quantized.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)
+    ups = np.mean(np.asarray(quantized.decompress(stochastic)["m"]) > 1.0)
     assert 0.2 < ups < 0.3  # rounded up with probability 1/4
-    again = quantized.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)["m"].value
-    next_step = quantized.compress({"m": x}, "bf16", jnp.int32(4), stochastic=True)["m"].value
-    assert_same_bits(again, stochastic.astype(jnp.bfloat16))
-    assert not np.array_equal(np.asarray(next_step), np.asarray(again)), "each step draws other bits"
+    again = quantized.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)
+    next_step = quantized.compress({"m": x}, "bf16", jnp.int32(4), stochastic=True)
+    assert_same_bits(again, stochastic)
+    assert not np.array_equal(np.asarray(next_step["m"]), np.asarray(again["m"])), "each step draws other bits"
 
 
 @pytest.mark.parametrize("codec,stochastic", [("int8", False), ("bf16", True)])
@@ -83,19 +83,35 @@ def test_what_stays_as_it_is():
     )
     adam = state.inner[0]
     assert state.count.dtype == jnp.int32 and adam.count.dtype == jnp.int32
-    assert isinstance(adam.mu["w"], Int8Leaf) and isinstance(adam.nu["w"], Int8Leaf)
+    assert adam.mu["w"].dtype == adam.nu["w"].dtype == jnp.uint8
     for name in ("b", "narrow", "s"):  # vectors, a last axis under MIN_LAST_AXIS, scalars
         assert adam.mu[name].dtype == jnp.float32 and adam.nu[name].dtype == jnp.float32
     bf16_state = quantized_state(optax.adam(1e-2, mu_dtype=jnp.bfloat16), "bf16").init({"w": jnp.ones((8, 32))})
     assert bf16_state.inner[0].mu["w"].dtype == jnp.bfloat16, "already bf16: nothing to compress"
-    assert isinstance(bf16_state.inner[0].nu["w"], Bf16Leaf)
+    assert bf16_state.inner[0].nu["w"].dtype == jnp.uint16
 
 
-def test_unknown_codec_and_stochastic_int8_are_refused():
+def test_unknown_codec_stochastic_int8_and_state_in_code_dtypes_are_refused():
     with pytest.raises(ValueError, match="fp8"):
         quantized_state(optax.adam(1e-2), "fp8")
     with pytest.raises(ValueError, match="stochastic"):
         quantized_state(optax.adam(1e-2), "int8", stochastic=True)
+    with pytest.raises(ValueError, match=r"\['w'\] is uint8"):
+        quantized_state(optax.adam(1e-2, mu_dtype=jnp.uint8), "int8").init({"w": jnp.ones((8, 32))})
+
+
+def test_works_inside_nnx_optimizer():
+    """nnx.Optimizer wraps each state leaf in a Variable: compressed leaves are plain arrays, so they survive."""
+    from flax import nnx
+
+    model = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, quantized_state(optax.adam(1e-2), "int8"), wrt=nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    before = np.asarray(model.kernel[...])
+    for _ in range(3):
+        optimizer.update(model, grads)
+    assert optimizer.opt_state.inner[0].nu["kernel"][...].dtype == jnp.uint8
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), before - 3e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -106,7 +122,7 @@ def test_offloaded_equals_in_memory_and_bits_independent_of_tiering(name, paths)
     assert len(plan.subgroups) >= 5
     assert any(p.rows is not None for sg in plan.subgroups for p in sg.pieces), "a leaf must be split into rows"
     dtypes = {f.dtype for sg in plan.subgroups for f in sg.layout.state_fields}
-    assert (np.dtype(np.uint8) if name == "int8" else np.dtype(jnp.bfloat16)) in dtypes, "records carry the codes"
+    assert np.dtype(np.uint8 if name == "int8" else np.uint16) in dtypes, "records carry the codes"
 
     reference = run_offload(inner, params, STEPS, [paths[0] / "a"], subgroup_size=SUBGROUP, host_cache=0)[0]
     variants = {
