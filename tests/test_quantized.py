@@ -184,3 +184,35 @@ def test_int8_adam_trains_a_small_language_model_as_well_as_fp32():
     assert np.all(np.isfinite(int8))
     assert bench.final_loss(fp32) < 0.7 * fp32[0], "the model must learn for the comparison to mean anything"
     assert abs(bench.final_loss(int8) - bench.final_loss(fp32)) <= 0.05 * bench.final_loss(fp32)
+
+
+def test_a_checkpoint_of_int8_state_restores_into_another_plan_and_into_memory(tmp_path):
+    """The packed codes of a split leaf are row ranges, so the standard layout holds them like any moment."""
+    import orbax.checkpoint as ocp
+    from conftest import abstract, train
+
+    inner = CODECS["int8"]()
+    params = make_params()
+    like = abstract(params)
+    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a"], subgroup_size=SUBGROUP, host_cache=0)
+    state = tx.init(params)
+    params, state = train(tx, params, state, range(5))
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(5, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
+    expected, _ = train(tx, params, state, range(5, 10))
+    tx.close()
+
+    other = jax_mlp.mlp_offload(inner, paths=[tmp_path / "b"], subgroup_size="8KiB")
+    layout = jax_mlp.standard_layout(inner, like)
+
+    def restore(args):
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:  # a fresh one: orbax binds an item to a handler
+            return manager.restore(5, args=ocp.args.Composite(opt_state=args))["opt_state"]
+
+    restored, plain = restore(jax_mlp.OffloadRestore(other, like)), restore(ocp.args.StandardRestore(layout))
+    assert plain.inner[0].nu["big"].dtype == jnp.uint8
+    other_plan, _ = train(other, params, restored, range(5, 10))
+    other.close()
+    in_memory, _ = train(inner, params, plain, range(5, 10))
+    for name, result in (("other plan", other_plan), ("in memory", in_memory)):
+        assert max(max_relative_deviation(result, expected).values()) <= LOW_PRECISION_STATE_BOUND, name
