@@ -81,6 +81,11 @@ def packed_width(n: int) -> int:
     return n + 4 * -(-n // BLOCK_SIZE)
 
 
+def stored_fraction(codec: str) -> float:
+    """Bytes a codec keeps per byte of float32 state, for large leaves: ``"none"``, ``"bf16"`` or ``"int8"``."""
+    return {"none": 1.0, "bf16": 0.5, "int8": (1 + 4 / BLOCK_SIZE) / 4}[codec]
+
+
 def _unpacked_width(width: int) -> int:
     # packed_width is strictly increasing, and its inverse is this: the block count is ceil(width / (B + 4)).
     return width - 4 * -(-width // (BLOCK_SIZE + 4))
