@@ -42,8 +42,9 @@ def dynamic_map(*, signed: bool, decades: int = 7) -> np.ndarray:
     """The 256 sorted values of a dynamic quantization map in [-1, 1] (signed) or [0, 1].
 
     Decade ``i`` (from ``10**-(decades-1)`` up to 1) gets ``2**i`` fraction steps (twice as many
-    when unsigned), placed at the midpoints of an even split of ``[0.1, 1]`` times the decade, so
-    the relative spacing is about the same in every decade; 0 and 1 are exact (Dettmers, "8-bit
+    when unsigned), placed at the midpoints of an even split of ``[0.1, 1]`` times the decade: fine
+    steps near the block's maximum, coarser ones far below it, and only values under half the
+    smallest entry (1.6e-7 of the maximum unsigned, 2.8e-7 signed) round to 0; 0 and 1 are exact (Dettmers, "8-bit
     approximations for parallelism in deep learning", arXiv 1511.04561).
     """
     values = [0.0, 1.0]
