@@ -125,10 +125,27 @@ def _blocks(x: jax.Array) -> jax.Array:
     return padded.reshape(*x.shape[:-1], blocks, BLOCK_SIZE)
 
 
-def _nearest(values: np.ndarray, x: jax.Array) -> jax.Array:
-    """The index of the entry of the sorted map ``values`` nearest to each element of ``x``."""
-    midpoints = jnp.asarray((values[1:] + values[:-1]) / 2)
-    return jnp.searchsorted(midpoints, x).astype(jnp.uint8)
+def _midpoints(values: np.ndarray) -> np.ndarray:
+    return (values[1:] + values[:-1]) / 2
+
+
+# Both maps' 255 midpoints, signed then unsigned: one search serves a block of either kind.
+_MIDPOINTS = np.concatenate([_midpoints(_SIGNED_MAP), _midpoints(_UNSIGNED_MAP)])
+_UNSIGNED_BASE = 255
+
+
+def _nearest(x: jax.Array, base: jax.Array) -> jax.Array:
+    """The index of the map entry nearest to each element of ``x``; ``base`` picks the map (0 or 255).
+
+    A branchless binary search over the map's 255 midpoints (the count of midpoints below ``x``):
+    eight gathers and compares, unrolled, so XLA fuses them; ``jnp.searchsorted`` per map was 6x
+    slower on CPU here.
+    """
+    midpoints = jnp.asarray(_MIDPOINTS)
+    code = jnp.zeros(x.shape, jnp.int32)
+    for step in (128, 64, 32, 16, 8, 4, 2, 1):
+        code = code + jnp.where(midpoints[base + code + step - 1] < x, step, 0)
+    return code.astype(jnp.uint8)
 
 
 def quantize_int8(x: jax.Array) -> jax.Array:
@@ -144,7 +161,7 @@ def quantize_int8(x: jax.Array) -> jax.Array:
     magnitude = jnp.where(non_negative, jnp.sqrt(jnp.abs(blocks)), blocks)
     absmax = jnp.max(jnp.abs(magnitude), axis=-1, keepdims=True)
     normalized = magnitude / jnp.where(absmax > 0, absmax, 1)
-    codes = jnp.where(non_negative, _nearest(_UNSIGNED_MAP, normalized), _nearest(_SIGNED_MAP, normalized))
+    codes = _nearest(normalized, jnp.where(non_negative, _UNSIGNED_BASE, 0))
     scales = jnp.where(non_negative, absmax, -absmax)[..., 0]
     scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(*x.shape[:-1], -1)
     return jnp.concatenate([codes.reshape(*x.shape[:-1], -1)[..., :n], scale_bytes], axis=-1)
