@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlp import inputs, partition, peers, resume
+from jax_mlp import accumulation, inputs, kernels, partition, peers, resume
 from jax_mlp.config import OffloadConfig, parse_rate
 from jax_mlp.errors import OffloadError
 from jax_mlp.in_jit import JitRoute
@@ -35,9 +35,18 @@ class OffloadState(NamedTuple):
     """The whole optimizer state the user holds: the number of updates applied so far.
 
     The inner optimizer's state is in the tiers; ``step`` ties this handle to the step they hold.
+    With ``accumulate_steps > 1`` it also carries the accumulation window, on the device.
+
+    Attributes:
+      step: the updates applied so far (int32 scalar).
+      mini_step: the calls accumulated since the last update, or None without accumulation.
+      acc_grads: the running mean of those calls' gradients, a tree like the params in
+        ``accumulator_dtype``, or None without accumulation.
     """
 
     step: jax.Array
+    mini_step: jax.Array | None = None
+    acc_grads: Any = None
 
 
 class _Live(NamedTuple):
@@ -155,6 +164,7 @@ class Offloader(ClosesOnExit):
 
     def _initialise(self, params: Any, populate: Callable[[_Live], None]) -> OffloadState:
         """Plans, opens the tiers, fills them with ``populate``, marks the paths."""
+        accumulation.refuse_multisteps()
         if inputs.is_traced(params):
             raise OffloadError(
                 "mlp_offload(...).init was called inside a jax transformation (jit, eval_shape, ...); call init "
@@ -186,7 +196,14 @@ class Offloader(ClosesOnExit):
             stream.engine.close()
             raise
         self._live = live
-        return OffloadState(jnp.asarray(stream.step, jnp.int32))
+        return self._state_at(jnp.asarray(stream.step, jnp.int32), plan, leaves)
+
+    def _state_at(self, step: jax.Array, plan: Plan, params: list[Any]) -> OffloadState:
+        """The handle at ``step``, with an empty accumulation window when accumulating."""
+        if self.config.accumulate_steps == 1:
+            return OffloadState(step)
+        window = accumulation.empty_window(params, self.config.accumulator_dtype)
+        return OffloadState(step, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads))
 
     def _resume(self, live: _Live) -> None:
         step, locations = resume.last_complete_step(
@@ -267,13 +284,57 @@ class Offloader(ClosesOnExit):
         """Streams every subgroup's state through the device and returns the inner optimizer's updates.
 
         Called inside ``jax.jit``, it traces the in-jit route instead (see :mod:`jax_mlp.in_jit`).
+        With ``accumulate_steps=k``, only every k-th call streams, with the mean of the k calls' gradients.
         """
         del extra_args
         live = self._check_state(state)
         grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
-        if inputs.is_traced((grads, state, param_leaves)):
-            leaves = live.jit.trace(grads, param_leaves, state.step)
-            return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), OffloadState(state.step + 1)
+        traced = inputs.is_traced((grads, state, param_leaves))
+        if traced:
+            accumulation.refuse_multisteps()
+        if self.config.accumulate_steps > 1:
+            leaves, state = self._accumulate(live, grads, state, param_leaves, traced)
+        else:
+            leaves, step = self._stream(live, grads, state.step, param_leaves, traced)
+            state = OffloadState(step)
+        return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), state
+
+    def _accumulate(
+        self, live: _Live, grads: list, state: OffloadState, param_leaves: list | None, traced: bool
+    ) -> tuple[list, OffloadState]:
+        """One call of an accumulation window: folds the grads in; the window's last call streams their mean.
+
+        Traced, the choice is a ``lax.cond``, so a micro-step never enters the host callback.
+        """
+        config, plan = self.config, live.plan
+        window = accumulation.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
+        means, carried = accumulation.add(grads, window, config.accumulator_dtype)
+        full = window.mini_step >= config.accumulate_steps - 1
+        dtypes = tuple(kernels.update_dtype(plan, i) for i in range(len(plan.leaves)))
+        if traced:
+            leaves = jax.lax.cond(
+                full,
+                lambda: self._stream(live, means, state.step, param_leaves, traced)[0],
+                lambda: accumulation.zero_updates(grads, dtypes),
+            )
+            step, window = state.step + full.astype(jnp.int32), accumulation.restart_where(full, carried)
+        elif not full:
+            live.stream.check_step(int(state.step))
+            live.stream.use_idle_window()
+            leaves, step, window = accumulation.zero_updates(grads, dtypes), state.step, carried
+        else:
+            leaves, step = self._stream(live, means, state.step, param_leaves, traced)
+            window = accumulation.empty_window(carried.acc_grads, config.accumulator_dtype)
+        return leaves, OffloadState(
+            step, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
+        )
+
+    def _stream(
+        self, live: _Live, grads: list, step: jax.Array, param_leaves: list | None, traced: bool
+    ) -> tuple[list, jax.Array]:
+        """One update from ``step``: the update leaves and the new step, eagerly or by the in-jit route."""
+        if traced:
+            return live.jit.trace(grads, param_leaves, step), step + 1
         placement = live.placement
         home = placement.home(grads)
         grad_blocks = placement.blocks(grads)
@@ -283,9 +344,8 @@ class Offloader(ClosesOnExit):
             None if param_blocks is None else lambda p: param_blocks[p.leaf][p.device],
             lambda subgroup: placement.device_of(subgroup, home),
         )
-        results = live.stream.run_step(int(state.step), blocks, EAGER)
-        new_updates = jax.tree_util.tree_unflatten(live.plan.treedef, placement.assemble(live.plan, results))
-        return new_updates, OffloadState(jnp.asarray(live.stream.step, jnp.int32))
+        results = live.stream.run_step(int(step), blocks, EAGER)
+        return placement.assemble(live.plan, results), jnp.asarray(live.stream.step, jnp.int32)
 
     def _check_state(self, state: Any) -> _Live:
         if not isinstance(state, OffloadState):
@@ -295,4 +355,11 @@ class Offloader(ClosesOnExit):
         if self._live is None:
             raise OffloadError("mlp_offload.update was called before init")
         self._check_open()
+        accumulating = self.config.accumulate_steps > 1
+        if accumulating != (state.mini_step is not None and state.acc_grads is not None):
+            have = "has no accumulation window" if accumulating else "carries an accumulation window"
+            raise OffloadError(
+                f"this mlp_offload has accumulate_steps={self.config.accumulate_steps}, but the opt_state passed to "
+                f"update {have}: pass the OffloadState that this mlp_offload's init (or restore) returned"
+            )
         return self._live

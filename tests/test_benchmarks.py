@@ -83,3 +83,14 @@ def test_efficiency_benchmark_writes_json_and_png(tmp_path):
     assert all(split["bytes_read"] == 0 for split in cached["offload_splits"])  # the cache serves every read
     assert written["checksum"]["used_bytes_per_s"] > 0 and not written["larger_than_ram"]["run"]
     assert (tmp_path / "efficiency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accumulation_benchmark_writes_json(tmp_path):
+    accumulation = load(ROOT / "benchmarks" / "accumulation.py")
+    options = ["--state", "2MiB", "--subgroup-size", "256KiB", "--cap", "400MB/s", "--updates", "2", "--idle", "0"]
+    result = accumulation.main([*options, "--out", str(tmp_path), "--dir", str(tmp_path / "tiers")])
+    written = json.loads((tmp_path / "accumulation.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert written["same_bytes_per_update"] and written["update_time_ratio"] > 0
+    assert [len(written[run]["updates"]) for run in ("single", "accumulated")] == [2, 2]
+    assert written["accumulated"]["accumulate_steps"] == 4
