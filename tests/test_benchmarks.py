@@ -117,3 +117,14 @@ def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path,
     from jax_mlp.storage import record
 
     assert record.crc32 is checksum.isal_crc32, "the benchmark puts the checksum back"
+
+
+def test_accumulation_benchmark_writes_json(tmp_path):
+    accumulation = load(ROOT / "benchmarks" / "accumulation.py")
+    options = ["--state", "2MiB", "--subgroup-size", "256KiB", "--cap", "400MB/s", "--updates", "2", "--idle", "0"]
+    result = accumulation.main([*options, "--out", str(tmp_path), "--dir", str(tmp_path / "tiers")])
+    written = json.loads((tmp_path / "accumulation.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert written["same_bytes_per_update"] and written["update_time_ratio"] > 0
+    assert [len(written[run]["updates"]) for run in ("single", "accumulated")] == [2, 2]
+    assert written["accumulated"]["accumulate_steps"] == 4
