@@ -26,7 +26,7 @@ from jax_mlp.partition import Plan
 from jax_mlp.placement import LeafPlacement
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import UpdateStats
-from jax_mlp.step import EAGER, Blocks, StateStream
+from jax_mlp.step import EAGER, LATE_PUT, Blocks, NewParams, StateStream
 from jax_mlp.storage.paths import open_paths, release_paths
 from jax_mlp.storage.tier_stack import Pin
 
@@ -311,13 +311,8 @@ class Offloader(ClosesOnExit):
         """
         live = self._check_state(state)
         grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
-        extra = self._checked_extra(live.plan, extra_args)
-        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
-        new_shared = live.stream.programs.shared_update(
-            jax.tree_util.tree_unflatten(_treedef(live.stream), shared), extra
-        )
-        uniform = Uniform(tuple(shared), tuple(jax.tree_util.tree_leaves(new_shared)), extra)
-        if inputs.is_traced((grads, state, param_leaves, extra)):
+        uniform, new_shared = self._uniform(live, state, extra_args)
+        if inputs.is_traced((grads, state, param_leaves, uniform)):
             leaves = live.jit.trace(grads, param_leaves, state.step, uniform)
             return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), OffloadState(state.step + 1, new_shared)
         placement = live.placement
@@ -333,6 +328,81 @@ class Offloader(ClosesOnExit):
         results = live.stream.run_step(int(state.step), blocks, EAGER)
         new_updates = jax.tree_util.tree_unflatten(live.plan.treedef, placement.assemble(live.plan, results))
         return new_updates, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
+
+    def apply(self, grads: Any, state: OffloadState, params: Any, **extra_args: Any) -> tuple[Any, OffloadState]:
+        """The fused ``update`` plus ``optax.apply_updates``: the new params, written over the old ones.
+
+        Each subgroup's program writes its new param blocks into the donated param buffers (whole
+        leaves by donation, row chunks in place), and each gradient leaf is deleted once its last
+        subgroup has used it: beside params and grads, the device holds about one subgroup's state
+        and the writes in flight, never a tree of updates or a second copy of the params. The result
+        is ``update`` plus ``apply_updates``: with ``master_dtype`` the new master's cast (within one
+        ulp of that, on rare elements), without it ``p + u`` (bitwise on CPU).
+
+        ``params`` and ``grads`` are consumed, as in a jitted step that donates them: do not use them
+        afterwards. Should the update fail, the offloaded state stays at the previous step, but the
+        params may be partly updated: restore a checkpoint (with ``master_dtype``,
+        :func:`jax_mlp.checkpoint.restore_params` gives them back from the tiers).
+
+        Args:
+          grads: the gradients, shaped as the params (after any stateless global transformation,
+            e.g. ``optax.clip_by_global_norm``, applied by the caller).
+          state: the :class:`OffloadState` of the previous ``init``, ``update`` or ``apply``.
+          params: the params; each leaf must be its own array, not one of the grads.
+          **extra_args: as for :meth:`update`.
+
+        Returns:
+          The new params (with the params' shardings) and the new :class:`OffloadState`.
+
+        Raises:
+          OffloadError: called inside ``jax.jit`` (use ``update`` and ``optax.apply_updates`` there),
+            or an array is given twice among params and grads.
+        """
+        live = self._check_state(state)
+        if params is None:
+            raise OffloadError("mlp_offload.apply needs the params: call tx.apply(grads, opt_state, params)")
+        grad_leaves, param_leaves = inputs.check_update_inputs(live.plan, grads, params)
+        uniform, new_shared = self._uniform(live, state, extra_args)
+        if inputs.is_traced((grad_leaves, state, param_leaves, uniform)):
+            raise OffloadError(
+                "mlp_offload.apply was called inside a jax transformation (jit, grad, ...); it runs eagerly. Inside "
+                "jit use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, donating "
+                "the params to the jitted step"
+            )
+        inputs.check_distinct(live.plan, grad_leaves, param_leaves)
+        del grads, params
+        placement = live.placement
+        home = placement.home(param_leaves)
+        grad_blocks = placement.blocks(grad_leaves)
+        param_blocks = {
+            (leaf, device): block
+            for leaf, by_device in enumerate(placement.blocks(param_leaves))
+            for device, block in by_device.items()
+        }
+
+        def release(leaf: int) -> None:
+            grad_blocks[leaf] = {}
+            grad_leaves[leaf].delete()
+
+        blocks = Blocks(
+            lambda p: grad_blocks[p.leaf][p.device], None, lambda subgroup: placement.device_of(subgroup, home), uniform
+        )
+        results = NewParams(live.plan, param_blocks, release)
+        del param_blocks
+        new_leaves = placement.assemble(live.plan, live.stream.run_step(int(state.step), blocks, LATE_PUT, results))
+        for leaf in param_leaves:  # the replicas an owner's new block was copied to
+            leaf.delete()
+        new_params = jax.tree_util.tree_unflatten(live.plan.treedef, new_leaves)
+        return new_params, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
+
+    def _uniform(self, live: _Live, state: OffloadState, extra_args: dict[str, Any]) -> tuple[Uniform, Any]:
+        """What every subgroup is given alike, and the new shared state."""
+        extra = self._checked_extra(live.plan, extra_args)
+        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
+        new_shared = live.stream.programs.shared_update(
+            jax.tree_util.tree_unflatten(_treedef(live.stream), shared), extra
+        )
+        return Uniform(tuple(shared), tuple(jax.tree_util.tree_leaves(new_shared)), extra), new_shared
 
     def _checked_extra(self, plan: Plan, extra_args: dict[str, Any]) -> dict[str, jax.Array]:
         """The extra arguments as arrays; the optimizer is checked with each new combination of their shapes."""
