@@ -241,7 +241,7 @@ def _subgroup_update(
     return _written(spec, accumulators, starts, user_updates), new_state, new_master
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 4, 5))
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _subgroup_apply(
     spec: SubgroupSpec,
     grads: Sequence[jax.Array],
@@ -254,8 +254,8 @@ def _subgroup_apply(
     """One subgroup's update applied to its params, which are donated: the new values take their buffers.
 
     A whole piece's new block replaces its param block; a row chunk's rows are written into its
-    leaf's block in place. With a master, the new params are the new master's cast (what
-    ``update`` plus ``optax.apply_updates`` gives wherever Sterbenz holds); without, ``p + u``.
+    leaf's block in place. With a master, the new params are the new master's cast (exactly what
+    ``update`` plus ``optax.apply_updates`` gives); without, ``p + u``.
 
     Returns:
       Per piece, its new param block (for a row chunk, its leaf's whole block); the new state

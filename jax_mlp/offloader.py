@@ -336,8 +336,8 @@ class Offloader(ClosesOnExit):
         leaves by donation, row chunks in place), and each gradient leaf is deleted once its last
         subgroup has used it: beside params and grads, the device holds about one subgroup's state
         and the writes in flight, never a tree of updates or a second copy of the params. The result
-        is ``update`` plus ``apply_updates``: with ``master_dtype`` the new master's cast (within one
-        ulp of that, on rare elements), without it ``p + u`` (bitwise on CPU).
+        is ``update`` plus ``apply_updates``: with ``master_dtype`` bitwise (the new master's cast),
+        without it within the core tolerance (XLA fuses ``p + u`` into the update's arithmetic).
 
         ``params`` and ``grads`` are consumed, as in a jitted step that donates them: do not use them
         afterwards. Should the update fail, the offloaded state stays at the previous step, but the
