@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +115,45 @@ def test_apply_of_sharded_params_keeps_their_sharding_and_matches_update(tmp_pat
         assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
     _assert_within_core_tolerance(p_apply, p_update, p0)
     tx.close(delete=True)
+
+
+def _fail_record_writes(monkeypatch) -> None:
+    """Every record write fails as on a full disk, until ``monkeypatch.undo()``."""
+    from test_faults import _FailingArray
+
+    from jax_mlp.storage.paths import PathStore
+
+    original = PathStore._array
+
+    def failing(self, subgroup, slot, nbytes, *, create):
+        array = original(self, subgroup, slot, nbytes, create=create)
+        return _FailingArray(array, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) if create else array
+
+    monkeypatch.setattr(PathStore, "_array", failing)
+
+
+def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_params_back(tmp_path, monkeypatch):
+    """apply consumes the params, so after a failure mid-stream they come back from the masters in the tiers."""
+
+    def run(path, steps, fail_at=None):
+        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+        params = make_params(dtype=jnp.bfloat16)
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        state = tx.init(params)
+        for step in range(steps):
+            if step == fail_at:
+                tx.flush()
+                _fail_record_writes(monkeypatch)
+                with pytest.raises(jax_mlp.PathError, match="is full"):
+                    tx.apply(grads_at(params, step), state, params)
+                monkeypatch.undo()
+                assert tx.offloader.step == step and any(x.is_deleted() for x in jax.tree.leaves(params))
+                params = jax_mlp.checkpoint.restore_params(tx, like)
+            params, state = tx.apply(grads_at(params, step), state, params)
+        tx.close(delete=True)
+        return params
+
+    expected = run(tmp_path / "reference", 4)
+    got = run(tmp_path / "faulty", 4, fail_at=2)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
