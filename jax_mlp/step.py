@@ -6,7 +6,8 @@ programs, the tiers, the engine, the scheduler and the counters. Each update is 
 ``stream`` runs the subgroups through the engine, and either ``end`` commits the step (stats,
 scheduler feedback, idle-time write-back and prefetch) or ``abort`` forgets every trace of it, so
 the previous step stays intact. :meth:`StateStream.run_step` is that sequence, for the eager and the
-in-jit route alike; the two differ only in their :class:`Blocks` and :class:`Route`.
+in-jit route alike; the two differ only in their :class:`Blocks` and :class:`Route`. The fused apply
+runs it too, with the :data:`LATE_PUT` route and :class:`NewParams` keeping its results.
 """
 
 from __future__ import annotations
@@ -163,10 +164,8 @@ class NewParams:
         """Runs a subgroup's apply program on its donated param blocks and keeps the new ones."""
         keys = [(p.leaf, p.device) for p in subgroup.pieces]
         grads = [blocks.grad_of(p) for p in subgroup.pieces]
-        out = programs.apply(
-            subgroup, device, grads, [self._blocks.pop(k) for k in keys], fields, blocks.uniform.to(device)
-        )
-        del grads
+        params = [self._blocks.pop(k) for k in keys]
+        out = programs.apply(subgroup, device, grads, params, fields, blocks.uniform.to(device))
         self._blocks.update(zip(keys, out.outputs, strict=True))
         for p in subgroup.pieces:
             self._uses[p.leaf] -= 1

@@ -157,3 +157,19 @@ def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_para
     got = run(tmp_path / "faulty", 4, fail_at=2)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_apply_gives_every_subgroup_the_handles_hyperparameters(tmp_path):
+    tx = jax_mlp.mlp_offload(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), paths=[tmp_path], subgroup_size=SUBGROUP
+    )
+    params = make_params()
+    state = tx.init(params)
+    params, state = tx.apply(grads_at(params, 0), state, params)
+    before = jax.device_get(params)
+    state.hyperparams["learning_rate"] = jnp.zeros_like(state.hyperparams["learning_rate"])
+    params, state = tx.apply(grads_at(params, 1), state, params)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # a zero learning rate reached every subgroup
+    assert int(state.step) == 2 and int(state.shared.count) == 2
+    tx.close(delete=True)
