@@ -411,9 +411,10 @@ class PlainOptax:
 
 
 class CachedOffload:
-    """``mlp_offload`` whose host cache holds the whole state, then a jitted apply."""
+    """``mlp_offload`` whose host cache holds the whole state: ``update`` then a jitted apply, or the
+    fused ``apply`` (which consumes the grads it is given)."""
 
-    def __init__(self, args: argparse.Namespace, directory: str, params: dict):
+    def __init__(self, args: argparse.Namespace, directory: str, params: dict, *, fused: bool = False):
         self.options = {"host_cache": 4 * tree_nbytes(params), "flush": "lazy"}
         self.tx = jax_mlp.mlp_offload(
             optax.adam(1e-3),
@@ -423,21 +424,31 @@ class CachedOffload:
             write_depth=args.write_depth,
             **self.options,
         )
+        self.fused = fused
         self._apply = jax.jit(optax.apply_updates)
         self.params, self.state = jax.tree.map(jnp.copy, params), self.tx.init(params)
 
     def __call__(self, grads: dict) -> None:
+        if self.fused:
+            self.params, self.state = self.tx.apply(grads, self.state, self.params)
+            jax.block_until_ready(self.params)
+            return
         updates, self.state = self.tx.update(grads, self.state, self.params)
         self.params = jax.block_until_ready(self._apply(self.params, updates))
 
 
 def cached_vs_optax(args: argparse.Namespace, directory: str) -> dict:
-    """Plain optax and mlp_offload with the whole state cached, update by update in turn.
+    """Plain optax and mlp_offload with the whole state cached (``update`` + apply, and the fused
+    ``apply``), update by update in turn.
 
     Wall times are noisy on a shared 2-core machine; CPU seconds (all threads) say what each costs.
     """
     params = make_params(jax_mlp.parse_size(args.cached_state), jax_mlp.parse_size(args.leaf))
-    runners = {"optax": PlainOptax(params), "offload": CachedOffload(args, directory, params)}
+    runners = {
+        "optax": PlainOptax(params),
+        "offload": CachedOffload(args, os.path.join(directory, "update"), params),
+        "fused": CachedOffload(args, os.path.join(directory, "apply"), params, fused=True),  # last: it frees grads
+    }
     wall: dict[str, list[float]] = {name: [] for name in runners}
     cpu: dict[str, list[float]] = {name: [] for name in runners}
     splits = []
@@ -452,6 +463,7 @@ def cached_vs_optax(args: argparse.Namespace, directory: str) -> dict:
             del grads
     finally:
         runners["offload"].tx.close(delete=True)
+        runners["fused"].tx.close(delete=True)
     median = {name: statistics.median(times[2:]) for name, times in wall.items()}
     median_cpu = {name: statistics.median(times[2:]) for name, times in cpu.items()}
     return {
@@ -459,14 +471,20 @@ def cached_vs_optax(args: argparse.Namespace, directory: str) -> dict:
         "offload_options": runners["offload"].options,
         "optax_s": wall["optax"][2:],
         "offload_s": wall["offload"][2:],
+        "fused_s": wall["fused"][2:],
         "offload_splits": splits[2:],
         "optax_median_s": median["optax"],
         "offload_median_s": median["offload"],
+        "fused_median_s": median["fused"],
         "ratio": median["offload"] / median["optax"],
+        "fused_ratio": median["fused"] / median["optax"],
         "optax_median_cpu_s": median_cpu["optax"],
         "offload_median_cpu_s": median_cpu["offload"],
+        "fused_median_cpu_s": median_cpu["fused"],
         "cpu_ratio": median_cpu["offload"] / median_cpu["optax"],
+        "fused_cpu_ratio": median_cpu["fused"] / median_cpu["optax"],
         "target_ratio": 1.5,
+        "fused_target_ratio": 1.10,
     }
 
 
@@ -518,6 +536,8 @@ def draw_cached(axis, result: dict, before: dict | None) -> None:
     if before:
         bars["offload before"] = before["cached_vs_optax"]["offload_median_s"]
     bars["offload"] = cached["offload_median_s"]
+    if "fused_median_s" in cached:
+        bars["fused apply"] = cached["fused_median_s"]
     axis.bar(list(bars), list(bars.values()), color=["tab:blue"] + ["tab:orange"] * (len(bars) - 1))
     axis.set_ylabel("seconds")
     axis.set_title(f"state in RAM: offload / optax = {cached['ratio']:.2f}")
@@ -562,7 +582,8 @@ def report(result: dict) -> None:
     )
     print(
         f"cached offload {cached['offload_median_s']:.3f} s vs optax {cached['optax_median_s']:.3f} s: "
-        f"ratio {cached['ratio']:.2f} (CPU seconds: {cached['cpu_ratio']:.2f})"
+        f"ratio {cached['ratio']:.2f} (CPU seconds: {cached['cpu_ratio']:.2f}); fused apply "
+        f"{cached['fused_median_s']:.3f} s: ratio {cached['fused_ratio']:.2f} (CPU seconds: {cached['fused_cpu_ratio']:.2f})"
     )
 
 

@@ -4,7 +4,8 @@ The semantics and the arithmetic are those of ``optax.MultiSteps(inner, every_k_
 call folds its gradients into a running mean, ``acc + (g - acc) / (n + 1)`` (Welford's form, as
 MultiSteps computes it), and the k-th call hands that mean, in the gradients' dtype, to the update
 that streams the state. The window (the micro-step count and the running mean) lives in the
-user's ``OffloadState``, so ``update`` stays a function of its inputs and works inside ``jax.jit``.
+user's ``OffloadState``, so ``update`` stays a function of its inputs; it runs eagerly (inside
+``jax.jit`` it is refused: see ``Offloader._accumulate``).
 
 ``optax.MultiSteps`` itself cannot wrap ``mlp_offload``: it runs the inner update on every
 micro-step and keeps the old state with ``jnp.where``, and storage cannot roll back.
@@ -84,14 +85,6 @@ def _zeros_placed_as(x: jax.Array) -> jax.Array:
     ``jax.make_mesh``); an element-wise ``where`` takes ``x``'s sharding without one.
     """
     return jnp.where(True, 0, x)
-
-
-def restart_where(full: jax.Array, carried: Window) -> Window:
-    """The window after a traced call: emptied where ``full`` (the call updated), else ``carried``."""
-    return Window(
-        jnp.where(full, 0, carried.mini_step).astype(jnp.int32),
-        [jnp.where(full, _zeros_placed_as(a), a) for a in carried.acc_grads],
-    )
 
 
 _MULTISTEPS_CODE = frozenset({optax.MultiSteps.init.__code__, optax.MultiSteps.update.__code__})

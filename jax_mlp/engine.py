@@ -97,6 +97,7 @@ class Engine:
                 read_ahead()
                 t0 = time.perf_counter()
                 fetched = self.result(future, f"reading subgroup {key}")
+                del future  # it holds the fetched fields too, which must go with ``fetched``
                 t1 = time.perf_counter()
                 computed = compute(key, fetched)
                 del fetched

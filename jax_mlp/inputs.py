@@ -98,6 +98,24 @@ def check_update_inputs(plan: Plan, updates: Any, params: Any) -> tuple[list, li
     return grads, [jnp.asarray(x) for x in check_tree(plan, params, "params", check_dtype=True)]
 
 
+def check_distinct(plan: Plan, grads: list, params: list) -> None:
+    """Refuses an array given twice among the params and grads of an ``apply``, which consumes them all.
+
+    Raises:
+      OffloadError: naming the two leaves that are one array.
+    """
+    seen: dict[int, str] = {}
+    for name, leaves in (("params", params), ("grads", grads)):
+        for leaf, spec in zip(leaves, plan.leaves, strict=True):
+            where = f"{name} leaf {spec.path}"
+            if id(leaf) in seen:
+                raise OffloadError(
+                    f"{where} is the same array as {seen[id(leaf)]}; apply donates the params and frees the grads, so "
+                    "each must be its own array: pass a copy (jnp.copy), or use update and optax.apply_updates"
+                )
+            seen[id(leaf)] = where
+
+
 def check_shared(shapes: Any, shared: Any) -> list:
     """The leaves of an ``OffloadState.shared``, checked against ``shapes`` and cast to their dtypes.
 

@@ -28,7 +28,14 @@ from jax_mlp.partition import Piece, Plan, Subgroup
 
 
 def update_dtype(plan: Plan, leaf: int) -> np.dtype:
-    """The dtype a leaf's optimizer works in, and its updates come in: the master dtype, else the param's."""
+    """The dtype a leaf's optimizer works in, and its updates come in: the master dtype, else the param's.
+
+    With a master, the update is ``m_new.astype(p.dtype) - p`` in the master dtype, so ``p + u`` is
+    exactly the new master's cast. Updates in the param's dtype would halve their bytes, but where
+    a master shrinks below half of ``p`` in one step (near zero) ``p + u`` would then be several
+    ulps off (0.8% of elements differing in ``tests/test_exactness.py``): the fused ``apply``
+    is the lean route instead, writing the master's cast itself.
+    """
     return np.dtype(plan.master_dtype) if plan.master_dtype is not None else plan.leaves[leaf].dtype
 
 
@@ -53,14 +60,13 @@ class SubgroupSpec(NamedTuple):
         cls, inner: optax.GradientTransformation, plan: Plan, subgroup: Subgroup, shared_paths: Sequence[str]
     ) -> SubgroupSpec:
         pieces = tuple(Piece(p.leaf, None if p.rows is None else (0, p.rows[1] - p.rows[0])) for p in subgroup.pieces)
-        dtypes = tuple(update_dtype(plan, p.leaf) for p in pieces)
         treedef = subgroup.layout.state_treedef
         return cls(
             inner,
             plan.treedef,
             len(plan.leaves),
             pieces,
-            dtypes,
+            tuple(update_dtype(plan, p.leaf) for p in pieces),
             treedef,
             plan.master_dtype,
             _positions(treedef, shared_paths),
@@ -163,26 +169,23 @@ def _subgroup_init(spec: SubgroupSpec, params: Sequence[jax.Array], starts: Sequ
     return jax.tree_util.tree_leaves(state), pieces if spec.master_dtype is not None else []
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
-def _subgroup_update(
+def _inner_step(
     spec: SubgroupSpec,
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array] | None,
     starts: Sequence[jax.Array],
     state_leaves: Sequence[jax.Array],
     master_leaves: Sequence[jax.Array],
-    accumulators: Sequence[jax.Array | None],
     uniform: Uniform,
 ) -> tuple:
-    """One subgroup's inner update on its view.
+    """One subgroup's inner update on its view, the body of both the update and the apply program.
 
     Gradients are up-cast here to the dtype the optimizer works in (the master dtype, or the
-    param dtype). ``params`` may be None (no master) when the inner optimizer needs none. Updates
-    of a row chunk are written into its leaf's accumulator in place. The shared state leaves come
-    from ``uniform`` in and go out as ``uniform.new_shared``.
+    param dtype). ``params`` may be None (no master) when the inner optimizer needs none. The
+    shared state leaves come from ``uniform`` in and go out as ``uniform.new_shared``.
 
     Returns:
-      Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
+      Per piece, its update in :func:`update_dtype`; the new state leaves; the new master leaves.
     """
     grad_pieces = [
         _slice_rows(g, s, p).astype(d) for g, s, p, d in zip(grads, starts, spec.pieces, spec.dtypes, strict=True)
@@ -206,11 +209,67 @@ def _subgroup_update(
     else:
         new_master = []
         user_updates = [u.astype(d) for u, d in zip(update_pieces, spec.dtypes, strict=True)]
-    outputs = [
-        u if piece.rows is None else jax.lax.dynamic_update_slice_in_dim(acc, u, start, axis=0)
-        for piece, start, u, acc in zip(spec.pieces, starts, user_updates, accumulators, strict=True)
+    new_state_leaves = _placed(jax.tree_util.tree_leaves(new_state), spec.shared, uniform.new_shared)
+    return user_updates, new_state_leaves, new_master
+
+
+def _written(spec: SubgroupSpec, blocks: Sequence[Any], starts: Sequence[jax.Array], values: Sequence) -> list:
+    """Per piece, its new value as the whole block, or written in place into its leaf's block at its rows."""
+    return [
+        new if piece.rows is None else jax.lax.dynamic_update_slice_in_dim(block, new, start, axis=0)
+        for piece, start, new, block in zip(spec.pieces, starts, values, blocks, strict=True)
     ]
-    return outputs, _placed(jax.tree_util.tree_leaves(new_state), spec.shared, uniform.new_shared), new_master
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
+def _subgroup_update(
+    spec: SubgroupSpec,
+    grads: Sequence[jax.Array],
+    params: Sequence[jax.Array] | None,
+    starts: Sequence[jax.Array],
+    state_leaves: Sequence[jax.Array],
+    master_leaves: Sequence[jax.Array],
+    accumulators: Sequence[jax.Array | None],
+    uniform: Uniform,
+) -> tuple:
+    """One subgroup's update: the updates of a row chunk are written into its leaf's accumulator in place.
+
+    Returns:
+      Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
+    """
+    user_updates, new_state, new_master = _inner_step(spec, grads, params, starts, state_leaves, master_leaves, uniform)
+    return _written(spec, accumulators, starts, user_updates), new_state, new_master
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _subgroup_apply(
+    spec: SubgroupSpec,
+    grads: Sequence[jax.Array],
+    params: Sequence[jax.Array],
+    starts: Sequence[jax.Array],
+    state_leaves: Sequence[jax.Array],
+    master_leaves: Sequence[jax.Array],
+    uniform: Uniform,
+) -> tuple:
+    """One subgroup's update applied to its params, which are donated: the new values take their buffers.
+
+    A whole piece's new block replaces its param block; a row chunk's rows are written into its
+    leaf's block in place. With a master, the new params are the new master's cast (exactly what
+    ``update`` plus ``optax.apply_updates`` gives); without, ``p + u``.
+
+    Returns:
+      Per piece, its new param block (for a row chunk, its leaf's whole block); the new state
+      leaves; the new master leaves.
+    """
+    user_updates, new_state, new_master = _inner_step(spec, grads, params, starts, state_leaves, master_leaves, uniform)
+    if spec.master_dtype is not None:
+        new_pieces = [m.astype(x.dtype) for m, x in zip(new_master, params, strict=True)]
+    else:
+        new_pieces = [
+            optax.apply_updates(_slice_rows(x, s, p), u)
+            for x, s, p, u in zip(params, starts, spec.pieces, user_updates, strict=True)
+        ]
+    return _written(spec, params, starts, new_pieces), new_state, new_master
 
 
 def _placed(leaves: Sequence[jax.Array], positions: Sequence[int], values: Sequence[jax.Array]) -> list[jax.Array]:
@@ -235,8 +294,9 @@ def _row_starts(subgroup: Subgroup, device: jax.Device | None) -> list[jax.Array
 
 
 class SubgroupUpdate(NamedTuple):
-    """What one subgroup's update program returns: per piece its update block (or the updated
-    accumulator of a row chunk's leaf), then the new state leaves and master leaves."""
+    """What one subgroup's update (or apply) program returns: per piece its update block (or new
+    param block; for a row chunk, its leaf's updated accumulator or param block), then the new state
+    leaves and master leaves."""
 
     outputs: list[jax.Array]
     state_leaves: list[jax.Array]
@@ -303,3 +363,25 @@ class Programs:
         starts = _row_starts(subgroup, device)
         args = (list(grads), params, starts, state_leaves, master_leaves, list(accumulators), uniform)
         return SubgroupUpdate(*EXECUTABLES(_subgroup_update, self._specs[subgroup.index], *args))
+
+    def apply(
+        self,
+        subgroup: Subgroup,
+        device: jax.Device | None,
+        grads: Sequence[jax.Array],
+        params: Sequence[jax.Array],
+        fields: tuple,
+        uniform: Uniform,
+    ) -> SubgroupUpdate:
+        """One subgroup's update applied to its param blocks on ``device``, which are donated.
+
+        Args: as :meth:`update`, with ``params`` each piece's param block (for a row chunk, its leaf's
+        whole block, into which its rows are written) and no accumulators.
+
+        Returns:
+          The new param blocks and the new state and master leaves.
+        """
+        state_leaves, master_leaves = fields
+        starts = _row_starts(subgroup, device)
+        args = (list(grads), list(params), starts, state_leaves, master_leaves, uniform)
+        return SubgroupUpdate(*EXECUTABLES(_subgroup_apply, self._specs[subgroup.index], *args))

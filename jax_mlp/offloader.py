@@ -27,7 +27,7 @@ from jax_mlp.partition import Plan
 from jax_mlp.placement import LeafPlacement
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import UpdateStats
-from jax_mlp.step import EAGER, Blocks, StateStream
+from jax_mlp.step import EAGER, LATE_PUT, Blocks, NewParams, StateStream
 from jax_mlp.storage.paths import open_paths, release_paths
 from jax_mlp.storage.tier_stack import Pin
 
@@ -339,9 +339,7 @@ class Offloader(ClosesOnExit):
         live = self._check_state(state)
         grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
         extra = self._checked_extra(live.plan, extra_args)
-        shared = jax.tree_util.tree_unflatten(
-            _treedef(live.stream), inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
-        )
+        shared = self._checked_shared(live, state)
         traced = inputs.is_traced((grads, state, param_leaves, extra))
         if traced:
             accumulation.refuse_multisteps()
@@ -358,25 +356,25 @@ class Offloader(ClosesOnExit):
     ) -> tuple[list, OffloadState]:
         """One call of an accumulation window: folds the grads in; the window's last call streams their mean.
 
-        Traced, the choice is a ``lax.cond``, so a micro-step never enters the host callback. The
-        shared state moves on only with the update, as the inner state does in ``optax.MultiSteps``.
+        Eager only. Traced, the choice would be a ``lax.cond`` around the in-jit route's host callback,
+        and that was seen to deadlock XLA's CPU runtime now and then (the callback's device work
+        waiting behind the caller's next step), so it is refused rather than left to hang. The shared
+        state moves on only with the update, as the inner state does in ``optax.MultiSteps``.
         """
         config, plan = self.config, live.plan
+        if traced:
+            raise OffloadError(
+                f"mlp_offload with accumulate_steps={config.accumulate_steps} was called inside jax.jit; accumulation "
+                "runs eagerly: call tx.update (or nnx.Optimizer.update) outside jit, with the jitted loss and "
+                "gradients before it, or accumulate in your jitted step and create the mlp_offload without "
+                "accumulate_steps"
+            )
         window = accumulation.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
         means, carried = accumulation.add(grads, window, config.accumulator_dtype)
-        full = window.mini_step >= config.accumulate_steps - 1
-        dtypes = tuple(kernels.update_dtype(plan, i) for i in range(len(plan.leaves)))
-        if traced:
-
-            def update() -> tuple[list, Any]:
-                leaves, _, new_shared = stream(means, state.step, shared)
-                return leaves, new_shared
-
-            leaves, shared = jax.lax.cond(full, update, lambda: (accumulation.zero_updates(grads, dtypes), shared))
-            step, window = state.step + full.astype(jnp.int32), accumulation.restart_where(full, carried)
-        elif not full:
+        if int(window.mini_step) < config.accumulate_steps - 1:
             live.stream.check_step(int(state.step))
             live.stream.use_idle_window()
+            dtypes = tuple(kernels.update_dtype(plan, i) for i in range(len(plan.leaves)))
             leaves, step, window = accumulation.zero_updates(grads, dtypes), state.step, carried
         else:
             leaves, step, shared = stream(means, state.step, shared)
@@ -400,8 +398,7 @@ class Offloader(ClosesOnExit):
 
         Eagerly, or by the in-jit route when traced.
         """
-        new_shared = live.stream.programs.shared_update(shared, extra)
-        uniform = Uniform(tuple(jax.tree_util.tree_leaves(shared)), tuple(jax.tree_util.tree_leaves(new_shared)), extra)
+        uniform, new_shared = self._uniform(live, shared, extra)
         if traced:
             return live.jit.trace(grads, param_leaves, step, uniform), step + 1, new_shared
         placement = live.placement
@@ -416,6 +413,90 @@ class Offloader(ClosesOnExit):
         )
         results = live.stream.run_step(int(step), blocks, EAGER)
         return placement.assemble(live.plan, results), jnp.asarray(live.stream.step, jnp.int32), new_shared
+
+    def apply(self, grads: Any, state: OffloadState, params: Any, **extra_args: Any) -> tuple[Any, OffloadState]:
+        """The fused ``update`` plus ``optax.apply_updates``: the new params, written over the old ones.
+
+        Each subgroup's program writes its new param blocks into the donated param buffers (whole
+        leaves by donation, row chunks in place), and each gradient leaf is deleted once its last
+        subgroup has used it: beside params and grads, the device holds about one subgroup's state
+        and the writes in flight, never a tree of updates or a second copy of the params. The result
+        is ``update`` plus ``apply_updates``: with ``master_dtype`` bitwise (the new master's cast),
+        without it within the core tolerance (XLA fuses ``p + u`` into the update's arithmetic).
+
+        ``params`` and ``grads`` are consumed, as in a jitted step that donates them: do not use them
+        afterwards. Should the update fail, the offloaded state stays at the previous step, but the
+        params may be partly updated: restore a checkpoint (with ``master_dtype``,
+        :func:`jax_mlp.checkpoint.restore_params` gives them back from the tiers).
+
+        Args:
+          grads: the gradients, shaped as the params (after any stateless global transformation,
+            e.g. ``optax.clip_by_global_norm``, applied by the caller).
+          state: the :class:`OffloadState` of the previous ``init``, ``update`` or ``apply``.
+          params: the params; each leaf must be its own array, not one of the grads.
+          **extra_args: as for :meth:`update`.
+
+        Returns:
+          The new params (with the params' shardings) and the new :class:`OffloadState`.
+
+        Raises:
+          OffloadError: called inside ``jax.jit`` (use ``update`` and ``optax.apply_updates`` there),
+            or an array is given twice among params and grads.
+        """
+        live = self._check_state(state)
+        if params is None:
+            raise OffloadError("mlp_offload.apply needs the params: call tx.apply(grads, opt_state, params)")
+        if self.config.accumulate_steps > 1:
+            raise OffloadError(
+                f"mlp_offload.apply does not accumulate gradients (accumulate_steps={self.config.accumulate_steps}); "
+                "use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, or average "
+                "the micro-batches' gradients yourself and create the mlp_offload without accumulate_steps"
+            )
+        grad_leaves, param_leaves = inputs.check_update_inputs(live.plan, grads, params)
+        extra = self._checked_extra(live.plan, extra_args)
+        uniform, new_shared = self._uniform(live, self._checked_shared(live, state), extra)
+        if inputs.is_traced((grad_leaves, state, param_leaves, uniform)):
+            raise OffloadError(
+                "mlp_offload.apply was called inside a jax transformation (jit, grad, ...); it runs eagerly. Inside "
+                "jit use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, donating "
+                "the params to the jitted step"
+            )
+        inputs.check_distinct(live.plan, grad_leaves, param_leaves)
+        del grads, params
+        placement = live.placement
+        home = placement.home(param_leaves)
+        grad_blocks = placement.blocks(grad_leaves)
+        param_blocks = {
+            (leaf, device): block
+            for leaf, by_device in enumerate(placement.blocks(param_leaves))
+            for device, block in by_device.items()
+        }
+
+        def release(leaf: int) -> None:
+            grad_blocks[leaf] = {}
+            grad_leaves[leaf].delete()
+
+        blocks = Blocks(
+            lambda p: grad_blocks[p.leaf][p.device], None, lambda subgroup: placement.device_of(subgroup, home), uniform
+        )
+        results = NewParams(live.plan, param_blocks, release)
+        del param_blocks
+        new_leaves = placement.assemble(live.plan, live.stream.run_step(int(state.step), blocks, LATE_PUT, results))
+        for leaf in param_leaves:  # the replicas an owner's new block was copied to
+            leaf.delete()
+        new_params = jax.tree_util.tree_unflatten(live.plan.treedef, new_leaves)
+        return new_params, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
+
+    def _checked_shared(self, live: _Live, state: OffloadState) -> Any:
+        """The handle's shared state, checked against the plan's, as a tree."""
+        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
+        return jax.tree_util.tree_unflatten(_treedef(live.stream), shared)
+
+    def _uniform(self, live: _Live, shared: Any, extra: dict[str, jax.Array]) -> tuple[Uniform, Any]:
+        """What every subgroup is given alike (the shared state, its successor, the extra args), and that successor."""
+        new_shared = live.stream.programs.shared_update(shared, extra)
+        leaves = jax.tree_util.tree_leaves
+        return Uniform(tuple(leaves(shared)), tuple(leaves(new_shared)), extra), new_shared
 
     def _checked_extra(self, plan: Plan, extra_args: dict[str, Any]) -> dict[str, jax.Array]:
         """The extra arguments as arrays; the optimizer is checked with each new combination of their shapes."""

@@ -6,11 +6,13 @@ programs, the tiers, the engine, the scheduler and the counters. Each update is 
 ``stream`` runs the subgroups through the engine, and either ``end`` commits the step (stats,
 scheduler feedback, idle-time write-back and prefetch) or ``abort`` forgets every trace of it, so
 the previous step stays intact. :meth:`StateStream.run_step` is that sequence, for the eager and the
-in-jit route alike; the two differ only in their :class:`Blocks` and :class:`Route`.
+in-jit route alike; the two differ only in their :class:`Blocks` and :class:`Route`. The fused apply
+runs it too, with the :data:`LATE_PUT` route and :class:`NewParams` keeping its results.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -80,6 +82,10 @@ class Route(NamedTuple):
 EAGER = Route(load=jax.device_put, enter=_unchanged, leave=_unchanged)
 """The eager route: readers put the fields on the device, writers bring the results back."""
 
+LATE_PUT = Route(load=_unchanged, enter=jax.device_put, leave=_unchanged)
+"""The fused apply's route: fetched fields stay on the host until their program is about to run,
+so the device holds one subgroup's fields besides the writes in flight, never the reads ahead."""
+
 IN_CALLBACK = Route(load=_unchanged, enter=jax.device_put, leave=jax.device_get)
 """Streaming inside a device's host callback: a CPU device then runs only work that the callback's
 own thread puts on it and waits for, so transfers and results stay on that thread."""
@@ -118,9 +124,58 @@ class UpdateBlocks:
         for p, out in zip(subgroup.pieces, outputs, strict=True):
             (self._accumulators if p.rows is not None else self._blocks)[p.leaf, p.device] = out
 
+    def run(
+        self, programs: Programs, subgroup: Subgroup, device: jax.Device | None, blocks: Blocks, fields: tuple
+    ) -> kernels.SubgroupUpdate:
+        """Runs a subgroup's update program and keeps its update blocks."""
+        grads = [blocks.grad_of(p) for p in subgroup.pieces]
+        params = None if blocks.param_of is None else [blocks.param_of(p) for p in subgroup.pieces]
+        accumulators = self.accumulators_for(subgroup, device)
+        out = programs.update(subgroup, device, grads, params, fields, accumulators, blocks.uniform.to(device))
+        self.take(subgroup, out.outputs)
+        return out
+
     def result(self) -> dict[BlockKey, jax.Array]:
         """Every block's update, by (leaf, owner device id)."""
         return {**self._blocks, **self._accumulators}
+
+
+class NewParams:
+    """The param blocks of one fused apply, each replaced by its new value as subgroups produce it.
+
+    Each program is given its pieces' current blocks (a row chunk: its leaf's whole block) and
+    donates them, so a new block takes the old one's buffer and no block is ever held twice. Once a
+    leaf's last piece has run, ``release(leaf)`` lets its gradient go.
+
+    Args:
+      plan: the subgroups.
+      blocks: each param block, by (leaf, owner device id); taken over (emptied as blocks are donated).
+      release: called with a leaf's index once no subgroup of this step needs its gradient any more.
+    """
+
+    def __init__(self, plan: Plan, blocks: dict[BlockKey, jax.Array], release: Callable[[int], None]):
+        self._blocks = blocks
+        self._uses = collections.Counter(p.leaf for subgroup in plan.subgroups for p in subgroup.pieces)
+        self._release = release
+
+    def run(
+        self, programs: Programs, subgroup: Subgroup, device: jax.Device | None, blocks: Blocks, fields: tuple
+    ) -> kernels.SubgroupUpdate:
+        """Runs a subgroup's apply program on its donated param blocks and keeps the new ones."""
+        keys = [(p.leaf, p.device) for p in subgroup.pieces]
+        grads = [blocks.grad_of(p) for p in subgroup.pieces]
+        params = [self._blocks.pop(k) for k in keys]
+        out = programs.apply(subgroup, device, grads, params, fields, blocks.uniform.to(device))
+        self._blocks.update(zip(keys, out.outputs, strict=True))
+        for p in subgroup.pieces:
+            self._uses[p.leaf] -= 1
+            if not self._uses[p.leaf]:
+                self._release(p.leaf)
+        return out
+
+    def result(self) -> dict[BlockKey, jax.Array]:
+        """Every block's new params, by (leaf, owner device id)."""
+        return self._blocks
 
 
 class StateStream:
@@ -224,8 +279,13 @@ class StateStream:
 
     # ----------------------------------------------------------------------------- one update
 
-    def run_step(self, step: int, blocks: Blocks, route: Route) -> dict[BlockKey, jax.Array]:
-        """One update from ``step`` as a transaction: each owned block's update, by (leaf, owner device id).
+    def run_step(
+        self, step: int, blocks: Blocks, route: Route, results: UpdateBlocks | NewParams | None = None
+    ) -> dict[BlockKey, jax.Array]:
+        """One update from ``step`` as a transaction: each owned block's result, by (leaf, owner device id).
+
+        ``results`` runs each subgroup's program and keeps what it gives: by default the updates
+        (:class:`UpdateBlocks`); :class:`NewParams` for the fused apply.
 
         Raises:
           OffloadError: ``step`` is not the step the tiers hold.
@@ -234,7 +294,7 @@ class StateStream:
         self.check_step(step)
         transaction = self.begin()
         try:
-            updates, timings, compiles = self.stream(transaction, blocks, route)
+            updates, timings, compiles = self.stream(transaction, blocks, route, results or UpdateBlocks(self.plan))
         except BaseException:
             self.abort(transaction)
             raise
@@ -260,15 +320,14 @@ class StateStream:
         return Transaction(self.step, prefetched, dict(tiers.locations), list(tiers.moved), background_wait)
 
     def stream(
-        self, transaction: Transaction, blocks: Blocks, route: Route
+        self, transaction: Transaction, blocks: Blocks, route: Route, results: UpdateBlocks | NewParams
     ) -> tuple[dict[BlockKey, jax.Array], Timings, int]:
         """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
 
         Returns:
-          Each block's update by (leaf, owner device id), the stream's timings, and its compile count.
+          Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
         """
         plan, step = self.plan, transaction.step
-        updates = UpdateBlocks(plan)
 
         def fetch(index: int) -> Any:
             early = transaction.prefetched.pop(index, None)
@@ -282,19 +341,14 @@ class StateStream:
             started = time.perf_counter()
             subgroup = plan.subgroups[index]
             device = blocks.device_of(subgroup)
-            grads = [blocks.grad_of(p) for p in subgroup.pieces]
-            params = None if blocks.param_of is None else [blocks.param_of(p) for p in subgroup.pieces]
-            accumulators = updates.accumulators_for(subgroup, device)
-            fields, uniform = route.enter(fetched, device), blocks.uniform.to(device)
-            out = self.programs.update(subgroup, device, grads, params, fields, accumulators, uniform)
-            updates.take(subgroup, out.outputs)
+            out = results.run(self.programs, subgroup, device, blocks, route.enter(fetched, device))
             self.counters.event("compute", None, index, started)
             return route.leave((out.state_leaves, out.master_leaves))
 
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
         timings = self.engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step + 1))
-        return updates.result(), timings, compiles_on_this_thread() - compiles
+        return results.result(), timings, compiles_on_this_thread() - compiles
 
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""

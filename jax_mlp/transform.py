@@ -30,13 +30,35 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs, ClosesOnExit)
 
     @property
     def offloader(self) -> Offloader:
-        """The live :class:`Offloader`, whose bound methods ``init`` and ``update`` are."""
+        """The live :class:`Offloader`, whose bound methods ``init`` and ``update`` are (and ``apply`` calls)."""
         return self.init.__self__
 
     @property
     def stats(self) -> UpdateStats | None:
         """Statistics of the last ``init`` or ``update``."""
         return self.offloader.last_stats
+
+    def apply(self, grads: Any, opt_state: OffloadState, params: Any, **extra_args: Any) -> tuple[Any, OffloadState]:
+        """The fused update: ``(new_params, opt_state)``, written over the donated params; see :meth:`Offloader.apply`."""
+        return self.offloader.apply(grads, opt_state, params, **extra_args)
+
+    def apply_to(self, model: Any, grads: Any, opt_state: OffloadState, **extra_args: Any) -> OffloadState:
+        """The fused :meth:`apply` on a flax NNX model: its ``nnx.Param`` values are replaced in place.
+
+        Args:
+          model: the ``nnx.Module`` whose ``nnx.Param`` state was given to ``init``.
+          grads: the gradients of those params (e.g. from ``nnx.grad``), after any global clipping.
+          opt_state: the :class:`OffloadState` of the previous step.
+          **extra_args: as for :meth:`Offloader.update`.
+
+        Returns:
+          The new :class:`OffloadState`.
+        """
+        from flax import nnx  # flax is an optional dependency
+
+        params, opt_state = self.apply(grads, opt_state, nnx.state(model, nnx.Param), **extra_args)
+        nnx.update(model, params)
+        return opt_state
 
     def flush(self) -> None:
         """See :meth:`Offloader.flush`."""
@@ -76,7 +98,8 @@ def mlp_offload(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init`` returns an :class:`OffloadState` and
-      which also exposes ``stats``, ``flush()`` and ``close()``.
+      which also exposes ``apply()`` (the fused update that writes the new params over the old),
+      ``stats``, ``flush()`` and ``close()``.
     """
     unknown = sorted(set(options) - {field.name for field in dataclasses.fields(OffloadConfig)})
     if unknown:

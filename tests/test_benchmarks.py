@@ -80,6 +80,7 @@ def test_efficiency_benchmark_writes_json_and_png(tmp_path):
     assert all(sum(split[part] for part in parts) == pytest.approx(split["seconds"]) for split in update["updates"])
     assert bound["bound_s"] > 0 and bound["ratio"] > 0 and bound["ratio_to_concurrent_bound"] > 0
     assert cached["optax_median_s"] > 0 and cached["ratio"] > 0 and cached["cpu_ratio"] > 0
+    assert cached["fused_median_s"] > 0 and cached["fused_ratio"] > 0 and cached["fused_cpu_ratio"] > 0
     assert all(split["bytes_read"] == 0 for split in cached["offload_splits"])  # the cache serves every read
     assert written["checksum"]["used_bytes_per_s"] > 0 and not written["larger_than_ram"]["run"]
     assert (tmp_path / "efficiency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

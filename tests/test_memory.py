@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,3 +51,22 @@ def test_peak_rss_of_an_update_stays_below_params_plus_256MiB(tmp_path):
     assert figures["subgroups"] >= 100
     for rise in figures["rises"][1:]:  # the second and third updates
         assert rise < params_bytes + 256 * 1024**2, figures
+
+
+def test_device_memory_of_the_fused_apply_stays_below_half_the_params():
+    """Peak live jax arrays during one step, minus those live before (on CPU, the device's memory).
+
+    The issue's 64 MiB of bf16 params in 8 MiB subgroups, scaled by 1/8 (the same ratios). The
+    optax route holds fp32 updates (2x the bf16 params), then new params beside the old; the fused
+    apply holds the fields of the subgroup computing and of the write in flight.
+    """
+    script = Path(__file__).parents[1] / "benchmarks" / "device_memory.py"
+    arguments = ["--params", "8MiB", "--subgroup-size", "1MiB", "--write-depth", "1", "--steps", "3"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rises = json.loads(result.stdout.strip().splitlines()[-1])["rise_over_params"]
+    assert min(rises["optax"]) >= 2, rises
+    assert max(rises["apply"]) <= 0.5, rises

@@ -1,0 +1,186 @@
+"""The fused apply: the same params as update plus apply_updates, written over the donated params."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import grads_at, make_params
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_mlp
+
+SUBGROUP = "16KiB"  # splits params["big"] into row chunks
+STEPS = 3
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _both_routes(inner, params, tmp_path, steps=STEPS, **options):
+    """Params after ``steps`` of update + apply_updates, and of apply, from the same start."""
+    by_update = jax_mlp.mlp_offload(inner, paths=[tmp_path / "update"], subgroup_size=SUBGROUP, **options)
+    by_apply = jax_mlp.mlp_offload(inner, paths=[tmp_path / "apply"], subgroup_size=SUBGROUP, **options)
+    p_update, p_apply = params, _copy(params)
+    s_update, s_apply = by_update.init(p_update), by_apply.init(p_apply)
+    assert any(p.rows is not None for sg in by_apply.offloader.plan.subgroups for p in sg.pieces)
+    for step in range(steps):
+        updates, s_update = by_update.update(grads_at(p_update, step), s_update, p_update)
+        p_update = optax.apply_updates(p_update, updates)
+        p_apply, s_apply = by_apply.apply(grads_at(p_apply, step), s_apply, p_apply)
+    assert int(s_apply.step) == int(s_update.step) == steps
+    by_update.close(delete=True)
+    return p_update, p_apply, by_apply
+
+
+def test_fp32_apply_is_update_plus_apply_updates_within_the_core_tolerance(tmp_path):
+    """Not bitwise: XLA fuses ``p + u`` into the update's arithmetic, which moves a few fp32 ulps."""
+    start = make_params()
+    p0 = _copy(start)
+    p_update, p_apply, tx = _both_routes(optax.adamw(1e-2, weight_decay=0.1), start, tmp_path)
+    _assert_within_core_tolerance(p_apply, p_update, p0)
+    tx.close(delete=True)
+
+
+def _assert_within_core_tolerance(got_tree, want_tree, start_tree):
+    """Each leaf and its displacement within 1e-5 max|p| of the reference, which did move."""
+    for got, want, before in zip(*map(jax.tree.leaves, (got_tree, want_tree, start_tree)), strict=True):
+        assert got.dtype == want.dtype
+        got, want, before = np.asarray(got), np.asarray(want), np.asarray(before)
+        bound = 1e-5 * max(float(np.max(np.abs(want))), 1e-30)
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound)
+        np.testing.assert_allclose(got - before, want - before, rtol=0, atol=bound)
+        assert float(np.max(np.abs(want - before))) > 100 * bound
+
+
+def test_bf16_apply_is_the_master_cast_bitwise_as_update_plus_apply_updates(tmp_path):
+    params = make_params(dtype=jnp.bfloat16)
+    p_update, p_apply, tx = _both_routes(optax.adam(1e-2), params, tmp_path, master_dtype=jnp.float32)
+    for got, want in zip(jax.tree.leaves(p_apply), jax.tree.leaves(p_update), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    tx.flush()
+    leaves = jax.tree.leaves(p_apply)
+    for subgroup in tx.offloader.plan.subgroups:  # apply writes exactly the new master's cast
+        _, master = tx.offloader.stream.tiers.fetch(subgroup.index, STEPS)
+        for piece, value in zip(subgroup.pieces, master, strict=True):
+            leaf = np.asarray(leaves[piece.leaf])
+            got = leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]]
+            np.testing.assert_array_equal(got.view(np.uint16), value.astype(jnp.bfloat16).view(np.uint16))
+    tx.close(delete=True)
+
+
+def test_apply_consumes_params_and_grads(tmp_path):
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[tmp_path], subgroup_size=SUBGROUP)
+    params = make_params()
+    state = tx.init(params)
+    grads = grads_at(params, 0)
+    new_params, state = tx.apply(grads, state, params)
+    assert all(x.is_deleted() for x in jax.tree.leaves((params, grads)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(new_params))
+    tx.close(delete=True)
+
+
+def test_apply_refuses_an_array_given_twice_and_a_traced_call(tmp_path):
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[tmp_path], subgroup_size=SUBGROUP)
+    params = make_params()
+    state = tx.init(params)
+    with pytest.raises(jax_mlp.OffloadError, match=r"grads leaf \['big'\] is the same array as params leaf \['big'\]"):
+        tx.apply({**grads_at(params, 0), "big": params["big"]}, state, params)
+    with pytest.raises(jax_mlp.OffloadError, match="runs eagerly"):
+        jax.jit(tx.apply)(grads_at(params, 0), state, params)
+    params, state = tx.apply(grads_at(params, 0), state, params)  # nothing was consumed by the refusals
+    assert int(state.step) == 1
+    tx.close(delete=True)
+
+
+def test_apply_refuses_accumulation_before_consuming_anything(tmp_path):
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=2)
+    params = make_params()
+    state = tx.init(params)
+    with pytest.raises(jax_mlp.OffloadError, match="does not accumulate gradients"):
+        tx.apply(grads_at(params, 0), state, params)
+    _, state = tx.update(grads_at(params, 0), state, params)  # the params are still usable
+    assert int(state.mini_step) == 1
+    tx.close(delete=True)
+
+
+def test_apply_of_sharded_params_keeps_their_sharding_and_matches_update(tmp_path):
+    mesh = jax.make_mesh((2, 4), ("replica", "fsdp"), devices=jax.devices()[:8])
+    specs = {"big": P("fsdp", None), "embed": P(), "temperature": P()}
+
+    def placed(tree):
+        return {k: jax.device_put(tree[k], NamedSharding(mesh, specs[k])) for k in specs}
+
+    params = placed(make_params())
+    p0 = jax.device_get(params)
+    p_update, p_apply, tx = _both_routes(optax.adam(1e-2), params, tmp_path, steps=2)
+    for got, want in zip(jax.tree.leaves(p_apply), jax.tree.leaves(p_update), strict=True):
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    _assert_within_core_tolerance(p_apply, p_update, p0)
+    tx.close(delete=True)
+
+
+def _fail_record_writes(monkeypatch) -> None:
+    """Every record write fails as on a full disk, until ``monkeypatch.undo()``."""
+    from test_faults import _FailingArray
+
+    from jax_mlp.storage.paths import PathStore
+
+    original = PathStore._array
+
+    def failing(self, subgroup, slot, nbytes, *, create):
+        array = original(self, subgroup, slot, nbytes, create=create)
+        return _FailingArray(array, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) if create else array
+
+    monkeypatch.setattr(PathStore, "_array", failing)
+
+
+def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_params_back(tmp_path, monkeypatch):
+    """apply consumes the params, so after a failure mid-stream they come back from the masters in the tiers."""
+
+    def run(path, steps, fail_at=None):
+        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+        params = make_params(dtype=jnp.bfloat16)
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        state = tx.init(params)
+        for step in range(steps):
+            if step == fail_at:
+                tx.flush()
+                _fail_record_writes(monkeypatch)
+                with pytest.raises(jax_mlp.PathError, match="is full"):
+                    tx.apply(grads_at(params, step), state, params)
+                monkeypatch.undo()
+                assert tx.offloader.step == step and any(x.is_deleted() for x in jax.tree.leaves(params))
+                params = jax_mlp.checkpoint.restore_params(tx, like)
+            params, state = tx.apply(grads_at(params, step), state, params)
+        tx.close(delete=True)
+        return params
+
+    expected = run(tmp_path / "reference", 4)
+    got = run(tmp_path / "faulty", 4, fail_at=2)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_apply_gives_every_subgroup_the_handles_hyperparameters(tmp_path):
+    tx = jax_mlp.mlp_offload(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), paths=[tmp_path], subgroup_size=SUBGROUP
+    )
+    params = make_params()
+    state = tx.init(params)
+    params, state = tx.apply(grads_at(params, 0), state, params)
+    before = jax.device_get(params)
+    state.hyperparams["learning_rate"] = jnp.zeros_like(state.hyperparams["learning_rate"])
+    params, state = tx.apply(grads_at(params, 1), state, params)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # a zero learning rate reached every subgroup
+    assert int(state.step) == 2 and int(state.shared.count) == 2
+    tx.close(delete=True)
