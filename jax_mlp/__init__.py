@@ -5,12 +5,13 @@
 
 from jax_mlp.checkpoint import OffloadCheckpointHandler, OffloadRestore, OffloadSave, restore_params, standard_layout
 from jax_mlp.config import OffloadConfig, Path, parse_rate, parse_size
-from jax_mlp.errors import OffloadError, PathError, PeerError, RecordError
+from jax_mlp.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
 from jax_mlp.offloader import Offloader, OffloadState
 from jax_mlp.stats import UpdateStats
 from jax_mlp.transform import OffloadTransformation, mlp_offload
 
 __all__ = [
+    "CoupledOptimizerError",
     "OffloadCheckpointHandler",
     "OffloadConfig",
     "OffloadError",
@@ -21,6 +22,7 @@ __all__ = [
     "Offloader",
     "Path",
     "PathError",
+    "PathInUseError",
     "PeerError",
     "RecordError",
     "UpdateStats",

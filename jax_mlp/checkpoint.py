@@ -5,8 +5,10 @@ A checkpoint item holds the tree that ``inner.init(params)`` returns, or, with m
 (zarr3 arrays, no OCDBT), so plain optax restores it with ``ocp.args.StandardRestore``. Each array is
 filled region by region while the subgroups stream from the tiers: a row chunk of a split leaf is a
 row range (and a zarr3 chunk) of its array, and leaves every subgroup holds alike (adam's ``count``)
-are written once. Restoring streams the other way, from any orbax PyTree checkpoint (also OCDBT
-ones written by plain optax), into any plan: other paths, subgroup size or host cache.
+are written once. Sharded params save their blocks: each block is a region of its array, written
+once over all processes, by the one holding its replica 0. Restoring streams the other way, from any
+orbax PyTree checkpoint (also OCDBT ones written by plain optax), into any plan: other paths,
+subgroup size, host cache, mesh or number of processes; each process reads its own blocks' regions.
 
 See docs/checkpoints.md.
 """
@@ -15,6 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import itertools
+import json
+import math
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,8 +31,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jax_mlp import partition
+from jax_mlp import partition, peers
 from jax_mlp.engine import Engine
 from jax_mlp.errors import OffloadError, RecordError
 from jax_mlp.inputs import check_tree
@@ -42,12 +50,21 @@ _FORMAT = 1
 _METADATA_KEY = "jax_mlp"
 _MASTER = "master"
 _STATE = "opt_state"
+_CHUNK_BYTES = 4 * 2**20  # a zarr3 chunk of about a record's chunk, where regions leave the choice
+_MIN_CHUNK_BYTES = 2**20  # chunks aligned with every region are kept down to this size
+
+_SAVES = itertools.count()  # numbers this process's saves alike in every process, for their agreement
+
+Box = tuple[tuple[int, int], ...]
+"""A region of a leaf: ``[start, stop)`` per dimension."""
 
 
 def standard_layout(inner: optax.GradientTransformation, params: Any, master_dtype: Any = None) -> Any:
     """The tree a checkpoint of ``mlp_offload(inner, master_dtype=...)`` holds, as ``jax.ShapeDtypeStruct``s.
 
-    Pass it to ``ocp.args.StandardRestore`` to restore such a checkpoint into plain optax.
+    Pass it to ``ocp.args.StandardRestore`` to restore such a checkpoint into plain optax. Params
+    sharded with ``NamedSharding`` on one mesh give a sharded layout: each state leaf of a param is
+    sharded like it, and the others (adam's ``count``) are replicated on that mesh.
 
     Args:
       inner: the optimizer wrapped by ``mlp_offload``.
@@ -61,7 +78,32 @@ def standard_layout(inner: optax.GradientTransformation, params: Any, master_dty
     dtype = None if master_dtype is None else np.dtype(master_dtype)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype or x.dtype), params)
     state = jax.eval_shape(inner.init, shapes)
+    mesh = _one_mesh(params)
+    if mesh is not None:
+        state = _sharded_like(state, params, mesh)
+        shapes = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding), shapes, params)
     return state if dtype is None else {_STATE: state, _MASTER: shapes}
+
+
+def _one_mesh(params: Any) -> jax.sharding.Mesh | None:
+    """The mesh every leaf of ``params`` is sharded on with a ``NamedSharding``, or None."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+    meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+    named = all(isinstance(s, NamedSharding) for s in shardings)
+    return meshes.pop() if named and len(meshes) == 1 and isinstance(next(iter(meshes)), jax.sharding.Mesh) else None
+
+
+def _sharded_like(state: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``state`` with each leaf sharded like the param whose path ends its own (and shape matches), else replicated."""
+    by_path = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def place(path: Any, leaf: Any) -> jax.ShapeDtypeStruct:
+        name = jax.tree_util.keystr(path)
+        matches = [p for p, x in by_path.items() if name.endswith(p) and tuple(x.shape) == tuple(leaf.shape)]
+        sharding = by_path[max(matches, key=len)].sharding if matches else NamedSharding(mesh, P())
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(place, state)
 
 
 @dataclasses.dataclass
@@ -99,8 +141,9 @@ class _Region(NamedTuple):
     """Where one field of a record lives in the standard layout."""
 
     leaf: int
-    rows: tuple[int, int] | None  # None: the whole leaf
+    box: Box | None  # None: the whole leaf
     shared: bool  # the same in every subgroup (adam's count): saved once, restored into each
+    param: int | None  # the param leaf whose block ``box`` is in, when it is one
 
 
 class _Lookup(NamedTuple):
@@ -110,7 +153,7 @@ class _Lookup(NamedTuple):
     shapes: tuple[tuple[int, ...], ...]
     prefix: str  # of inner state paths: "['opt_state']" with master params
     shared: frozenset[str]  # inner state paths every subgroup holds alike
-    owner: dict[str, int]  # inner state path -> the split param leaf it belongs to
+    owner: dict[str, int]  # inner state path -> the split or sharded param leaf it belongs to
 
 
 class _Layout(NamedTuple):
@@ -119,7 +162,6 @@ class _Layout(NamedTuple):
     treedef: Any
     leaves: tuple[jax.ShapeDtypeStruct, ...]
     names: tuple[str, ...]
-    chunk_rows: tuple[int | None, ...]
     regions: tuple[tuple[_Region, ...], ...]
 
 
@@ -148,79 +190,163 @@ def _state_paths(inner: optax.GradientTransformation, plan: Plan, pieces: Sequen
     return _paths_of(jax.eval_shape(inner.init, view))
 
 
+def _piece_box(spec: partition.LeafSpec, piece: partition.Piece) -> Box | None:
+    """Where a piece lies in its leaf: its shard, narrowed to its rows; None for a whole leaf on one device."""
+    if piece.shard is None and piece.rows is None:
+        return None
+    box = piece.shard.box if piece.shard is not None else tuple((0, n) for n in spec.shape)
+    if piece.rows is None:
+        return box
+    (start, _), *rest = box
+    return ((start + piece.rows[0], start + piece.rows[1]), *rest)
+
+
+def _box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
 def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[_Region, ...]:
-    """Maps each field of ``subgroup``'s record to its leaf and rows in the standard layout."""
+    """Maps each field of ``subgroup``'s record to its leaf and region in the standard layout."""
     owner = lookup.owner
-    rows_of = {p.leaf: p.rows for p in subgroup.pieces}
+    box_of = {p.leaf: _piece_box(plan.leaves[p.leaf], p) for p in subgroup.pieces}
     treedef = subgroup.layout.state_treedef
     state_paths = _paths_of(jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves))
     regions = []
     for path, field in zip(state_paths, subgroup.layout.state_fields, strict=True):
         leaf = lookup.index[lookup.prefix + path]
         full = lookup.shapes[leaf]
-        rows = rows_of[owner[path]] if path in owner else None
-        expected = full if rows is None else (rows[1] - rows[0], *full[1:])
-        if field.shape != expected:
+        box = box_of[owner[path]] if path in owner else None
+        if field.shape != (full if box is None else _box_shape(box)):
             param = plan.leaves[owner[path]]
             raise OffloadError(
-                f"optimizer state leaf {path} of the split param {param.path} has shape {field.shape} for rows "
-                f"{rows}, not a row range of its shape {full}, so it has no standard layout (adafactor's factored "
-                f"moments do this); checkpoint with a subgroup_size that keeps {param.path} whole"
+                f"optimizer state leaf {path} of the split or sharded param {param.path} has shape {field.shape} for "
+                f"its block {box}, not that block of its shape {full}, so it has no standard layout (adafactor's "
+                f"factored moments do this); checkpoint with {param.path} whole: on one device, and a subgroup_size "
+                "that does not split it"
             )
-        regions.append(_Region(leaf, rows, path in lookup.shared))
+        regions.append(_Region(leaf, box, path in lookup.shared, owner.get(path)))
     if plan.master_dtype is not None:
         for piece in subgroup.pieces:
-            regions.append(_Region(lookup.index[f"['{_MASTER}']{plan.leaves[piece.leaf].path}"], piece.rows, False))
+            name = f"['{_MASTER}']{plan.leaves[piece.leaf].path}"
+            regions.append(_Region(lookup.index[name], box_of[piece.leaf], False, piece.leaf))
     return tuple(regions)
 
 
-def _refuse_sharded(plan: Plan, what: str) -> None:
-    """Raises for a plan with sharded leaves: their regions are shards, which this module does not map yet."""
-    sharded = next((plan.leaves[p.leaf].path for sg in plan.subgroups for p in sg.pieces if p.shard), None)
-    if sharded is not None:
-        raise OffloadError(
-            f"param {sharded} is sharded over several devices; {what} sharded offloaded state is not supported "
-            "in this version. The tiers are crash-consistent on their own: reopen them with resume=True"
-        )
-
-
+@functools.lru_cache(maxsize=8)
 def _layout(inner: optax.GradientTransformation, plan: Plan) -> _Layout:
-    """The standard layout of ``plan``, and the region of every record field in it."""
-    _refuse_sharded(plan, "checkpoints of")
+    """The standard layout of ``plan``, and the region of every record field in it.
+
+    Cached: it traces ``inner.init`` once per split or sharded leaf, and every save of a run needs it.
+    """
     tree = standard_layout(inner, _abstract_params(plan), plan.master_dtype)
     path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = tuple(jax.tree_util.keystr(path) for path, _ in path_leaves)
     leaves = tuple(leaf for _, leaf in path_leaves)
     shared = frozenset(_state_paths(inner, plan, []))
-    split = sorted({p.leaf for sg in plan.subgroups for p in sg.pieces if p.rows is not None})
+    parted = sorted({p.leaf for sg in plan.subgroups for p in sg.pieces if p.rows is not None or p.shard is not None})
     owner = {
         path: leaf
-        for leaf in split
+        for leaf in parted
         for path in _state_paths(inner, plan, [partition.Piece(leaf)])
         if path not in shared
     }
     prefix = "" if plan.master_dtype is None else f"['{_STATE}']"
     lookup = _Lookup({name: i for i, name in enumerate(names)}, tuple(x.shape for x in leaves), prefix, shared, owner)
     regions = tuple(_regions(plan, sg, lookup) for sg in plan.subgroups)
-    chunk_rows: list[int | None] = [None] * len(leaves)
-    for region in (r for rs in regions for r in rs if r.rows is not None):
-        chunk_rows[region.leaf] = max(chunk_rows[region.leaf] or 0, region.rows[1] - region.rows[0])
-    return _Layout(jax.tree_util.tree_structure(tree), leaves, names, tuple(chunk_rows), regions)
+    return _Layout(jax.tree_util.tree_structure(tree), leaves, names, regions)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
 
 
 def _region_of(array: Any, region: _Region) -> Any:
-    return array if region.rows is None else array[region.rows[0] : region.rows[1]]
+    return array if region.box is None else array[_slices(region.box)]
+
+
+def _interior_gcd(bounds: Sequence[int], size: int) -> int:
+    """The gcd of the boundaries strictly inside ``[0, size)``; 0 when there are none."""
+    return math.gcd(*(b for b in bounds if 0 < b < size))
+
+
+def _chunk_shape(shape: tuple[int, ...], itemsize: int, blocks: Sequence[Box], rows_gcd: int) -> tuple[int, ...]:
+    """The zarr3 chunk of a standard-layout array: no chunk spans two blocks, so no two writers share one.
+
+    Along axis 0 it also divides every written region's boundaries (``rows_gcd``, over all
+    processes) when that leaves chunks of at least ``_MIN_CHUNK_BYTES``; otherwise it takes the
+    largest divisor of a block's rows up to ``_CHUNK_BYTES``, and the chunk a region boundary cuts
+    is written twice, by the same process (tensorstore merges the two writes).
+    """
+    if not shape:
+        return ()
+    base = [_interior_gcd([b for box in blocks for b in box[d]], n) or n for d, n in enumerate(shape)]
+    aligned = math.gcd(base[0], rows_gcd)
+    row_bytes = itemsize * math.prod(base[1:])
+    if aligned == base[0] or aligned * row_bytes >= _MIN_CHUNK_BYTES:
+        return (aligned, *base[1:])
+    divisors = {d for k in range(1, math.isqrt(base[0]) + 1) if base[0] % k == 0 for d in (k, base[0] // k)}
+    return (max([aligned, *(d for d in divisors if d * row_bytes <= _CHUNK_BYTES)]), *base[1:])
 
 
 class _SaveStream:
-    """One save: streams a pinned step out of the tiers into the arrays of the standard layout."""
+    """One save: streams a pinned step out of the tiers into the arrays of the standard layout.
 
-    def __init__(self, offloader: Offloader, pin: Pin):
+    Each process writes the regions of the blocks it holds replica 0 of (process 0 writes leaves
+    on one device and the shared ones), and reads only the subgroups that have such regions. Process
+    0 creates the arrays; the others open them with the same metadata, agreed on here.
+    """
+
+    def __init__(self, offloader: Offloader, pin: Pin, name: str):
         self.offloader = offloader
         self.pin = pin
-        self.layout = _layout(offloader.inner, offloader.plan)
+        plan, placement = offloader.plan, offloader.placement
+        self.layout = _layout(offloader.inner, plan)
+        primary = jax.process_index() == 0
+        self.writes = tuple(
+            tuple(
+                primary if r.box is None else placement.written_here(r.param, plan.leaves[r.param].shape, r.box)
+                for r in regions
+            )
+            for regions in self.layout.regions
+        )
+        own = [k for k, regions in enumerate(self.layout.regions) if any(self._own(regions, self.writes[k]))]
+        shared = any(r.shared for regions in self.layout.regions for r in regions)
+        self.subgroups = own or ([0] if primary and shared else [])
+        for k in set(range(len(plan.subgroups))) - set(self.subgroups):
+            pin.mark_read(k)  # another process writes it: an update need not wait for it
+        self.chunks = self._chunks(placement, name)
         self._shared: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _own(regions: Sequence[_Region], writes: Sequence[bool]) -> list[bool]:
+        return [w and not r.shared for r, w in zip(regions, writes, strict=True)]
+
+    def _chunks(self, placement: Any, name: str) -> list[tuple[int, ...]]:
+        """Each array's zarr3 chunk (see :func:`_chunk_shape`), the same in every process."""
+        layout, plan = self.layout, self.offloader.plan
+        blocks: list[list[Box]] = [[] for _ in layout.leaves]
+        rows: list[list[int]] = [[] for _ in layout.leaves]
+        for k in self.subgroups:
+            for region, own in zip(layout.regions[k], self._own(layout.regions[k], self.writes[k]), strict=True):
+                if not own or region.box is None:
+                    continue
+                rows[region.leaf].extend(region.box[0] if region.box else ())
+                if placement.shardings[region.param] is not None and not blocks[region.leaf]:
+                    shape = plan.leaves[region.param].shape
+                    blocks[region.leaf] = [box for box, _ in placement.blocks_of(region.param, shape)]
+        gcds = [_interior_gcd(r, x.shape[0] if x.shape else 1) for r, x in zip(rows, layout.leaves, strict=True)]
+        if jax.process_count() > 1:
+            timeout = self.offloader.config.peer_timeout
+            # A process may hold no block of a leaf: blocks come from the first that does.
+            shared = peers.all_values(name, json.dumps([gcds, blocks]), timeout, "a checkpoint save")
+            everyone = [json.loads(value) for value in shared]
+            gcds = [math.gcd(*column) for column in zip(*(g for g, _ in everyone), strict=True)]
+            blocks = [next((b for b in column if b), []) for column in zip(*(b for _, b in everyone), strict=True)]
+        return [
+            _chunk_shape(tuple(x.shape), np.dtype(x.dtype).itemsize, leaf_blocks, gcd)
+            for x, leaf_blocks, gcd in zip(layout.leaves, blocks, gcds, strict=True)
+        ]
 
     def placeholders(self) -> Any:
         """The standard layout's tree with a :class:`_StreamedLeaf` of this stream at every leaf."""
@@ -228,19 +354,22 @@ class _SaveStream:
         return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
 
     def _open(self, leaf: int, info: ocp.type_handlers.ParamInfo) -> Any:
+        """Process 0 creates the array; the others open it with the same metadata, which needs no read."""
         shape, dtype = self.layout.leaves[leaf].shape, np.dtype(self.layout.leaves[leaf].dtype)
-        rows = self.layout.chunk_rows[leaf]
-        chunk = shape if rows is None else (rows, *shape[1:])
         spec = ocp.type_handlers.get_json_tspec_write(
-            info, use_ocdbt=False, global_shape=shape, local_shape=chunk, dtype=dtype
+            info, use_ocdbt=False, global_shape=shape, local_shape=self.chunks[leaf], dtype=dtype
         )
-        return ts.open(spec, create=True, open=True, context=info.ts_context).result()
+        if jax.process_index() == 0:
+            return ts.open(spec, create=True, open=True, context=info.ts_context).result()
+        return ts.open(spec, open=True, assume_metadata=True, context=info.ts_context).result()
 
     def _store(self, arrays: list, index: int, fetched: tuple) -> None:
         state_leaves, master_leaves = fetched
         writes = []
-        for region, value in zip(self.layout.regions[index], [*state_leaves, *master_leaves], strict=True):
-            if region.shared and not self._claim(region, value):
+        for region, value, write in zip(
+            self.layout.regions[index], [*state_leaves, *master_leaves], self.writes[index], strict=True
+        ):
+            if not write or (region.shared and not self._claim(region, value)):
                 continue
             writes.append(_region_of(arrays[region.leaf], region).write(value))
         for write in writes:
@@ -261,7 +390,7 @@ class _SaveStream:
         return False
 
     def write(self, leaves: Sequence[_StreamedLeaf], infos: Sequence[ocp.type_handlers.ParamInfo]) -> None:
-        """Streams every subgroup of the pinned step into the arrays, then releases the pin."""
+        """Streams this process's subgroups of the pinned step into the arrays, then releases the pin."""
         offloader, pin = self.offloader, self.pin
         config = offloader.config
         engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
@@ -270,7 +399,7 @@ class _SaveStream:
             for leaf, info in zip(leaves, infos, strict=True):
                 arrays[leaf.index] = self._open(leaf.index, info)
             engine.run(
-                range(len(offloader.plan.subgroups)),
+                self.subgroups,
                 lambda k: offloader.read_pinned(pin, k),
                 lambda _, fetched: fetched,
                 lambda k, fetched: self._store(arrays, k, fetched),
@@ -405,6 +534,19 @@ def _open_arrays(directory: epath.Path, offloader: Offloader, params: Any, saved
     return arrays
 
 
+def _host_block(value: Any, box: Box | None) -> np.ndarray:
+    """``value[box]`` on the host; of a sharded array, from the addressable shard holding it (no gather)."""
+    if box is None:
+        return np.asarray(value)
+    if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+        for shard in value.addressable_shards:
+            held = partition.shard_box(shard.index, value.shape)
+            if all(lo <= start and stop <= hi for (start, stop), (lo, hi) in zip(box, held, strict=True)):
+                offsets = tuple((start - lo, stop - lo) for (start, stop), (lo, _) in zip(box, held, strict=True))
+                return np.asarray(shard.data)[_slices(offsets)]
+    return np.asarray(value)[_slices(box)]
+
+
 class _Restore:
     """The reads of one restore: each subgroup's record fields from the checkpoint's arrays."""
 
@@ -415,10 +557,7 @@ class _Restore:
         self.params = jax.tree.leaves(params)
 
     def _master_from_params(self, region: _Region, leaf: int) -> np.ndarray:
-        value = jnp.asarray(self.params[leaf])
-        if region.rows is not None:
-            value = value[region.rows[0] : region.rows[1]]
-        return np.asarray(value.astype(self.plan.master_dtype))
+        return _host_block(self.params[leaf], region.box).astype(self.plan.master_dtype)
 
     def load(self, index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Subgroup ``index``'s state and master leaves, read from the checkpoint (or the params)."""
@@ -447,7 +586,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         offloader = _offloader_of(args.offload)
         pin = offloader.pin()
         try:
-            stream = _SaveStream(offloader, pin)
+            stream = _SaveStream(offloader, pin, f"jax_mlp/save/{next(_SAVES)}/{directory}")
             has_master = offloader.plan.master_dtype is not None
             custom = {_METADATA_KEY: {"format": _FORMAT, "step": pin.step, "master": has_master}}
             save = ocp.args.PyTreeSave(stream.placeholders(), custom_metadata=custom)
@@ -530,19 +669,19 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
             "this mlp_offload keeps no master params (master_dtype=None), so the tiers cannot give the params back; "
             "restore them from a checkpoint"
         )
-    _refuse_sharded(plan, "restore_params of")
     likes = check_tree(plan, params_like, "params_like", check_dtype=True)
-    values: list[Any] = [None] * len(plan.leaves)
+    blocks: dict[tuple[int, Box | None], np.ndarray] = {}  # by leaf and owned shard's box (None: on one device)
 
     def convert(index: int, fetched: tuple) -> None:
         for piece, master in zip(plan.subgroups[index].pieces, fetched[1], strict=True):
-            value = np.asarray(jnp.asarray(master).astype(plan.leaves[piece.leaf].dtype))
+            spec = plan.leaves[piece.leaf]
+            value = np.asarray(jnp.asarray(master).astype(spec.dtype))
+            key = (piece.leaf, None if piece.shard is None else piece.shard.box)
             if piece.rows is None:
-                values[piece.leaf] = value
+                blocks[key] = value
             else:
-                if values[piece.leaf] is None:
-                    values[piece.leaf] = np.empty(plan.leaves[piece.leaf].shape, value.dtype)
-                values[piece.leaf][piece.rows[0] : piece.rows[1]] = value
+                shape = spec.shape if piece.shard is None else piece.shard.shape
+                blocks.setdefault(key, np.empty(shape, value.dtype))[piece.rows[0] : piece.rows[1]] = value
 
     pin = offloader.pin()
     config = offloader.config
@@ -552,5 +691,22 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
     finally:
         engine.close()
         pin.release()
-    placed = [jax.device_put(v, getattr(like, "sharding", None)) for v, like in zip(values, likes, strict=True)]
+    placed = [
+        _placed(index, spec.shape, offloader.placement.shardings[index], getattr(like, "sharding", None), blocks)
+        for index, (spec, like) in enumerate(zip(plan.leaves, likes, strict=True))
+    ]
     return jax.tree_util.tree_unflatten(plan.treedef, placed)
+
+
+def _placed(
+    index: int,
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding | None,
+    target: jax.sharding.Sharding | None,
+    blocks: dict[tuple[int, Box | None], np.ndarray],
+) -> jax.Array:
+    """Leaf ``index`` as a jax array placed with ``target``, from its host blocks (sharded as at ``init``)."""
+    if sharding is None:
+        return jax.device_put(blocks[index, None], target)
+    array = jax.make_array_from_callback(shape, sharding, lambda at: blocks[index, partition.shard_box(at, shape)])
+    return array if target is None or target == sharding else jax.device_put(array, target)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -17,6 +18,10 @@ from jax_mlp import model
 from jax_mlp.config import Path, parse_rate, parse_size
 from jax_mlp.errors import OffloadError
 from jax_mlp.model import PathSpeed
+from jax_mlp.scheduler import weighted_interleave
+from jax_mlp.stats import format_bytes
+from jax_mlp.storage import capacity
+from jax_mlp.storage.record import HEADER_SIZE
 
 PROG = "jax-mlp"
 
@@ -103,19 +108,57 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value < 100 else f"{value / 60:.3g} min"
 
 
+def _records(state: float, subgroup: int) -> list[int]:
+    """The record sizes of ``state`` bytes of offloaded state cut into subgroups of ``subgroup`` bytes."""
+    count = max(1, math.ceil(state / subgroup))
+    return [HEADER_SIZE + subgroup] * (count - 1) + [HEADER_SIZE + max(0, int(state) - (count - 1) * subgroup)]
+
+
+def _needs(speeds: Sequence[PathSpeed], records: Sequence[int], blocks: Sequence[int]) -> list[int]:
+    """What each path needs for its share of ``records`` split as ``init`` would split them (see capacity)."""
+    placement = weighted_interleave(records, model.best_split(speeds))
+    return [
+        capacity.need([nbytes for nbytes, at in zip(records, placement, strict=True) if at == index], block)
+        for index, block in enumerate(blocks)
+    ]
+
+
 def probe_command(args: argparse.Namespace) -> int:
-    """``jax-mlp probe``: measures each path's bandwidth through the tier code."""
+    """``jax-mlp probe``: measures each path's bandwidth through the tier code, and its free space."""
     from jax_mlp.storage.probe import probe
 
     total, record = parse_size(args.size, name="--size"), parse_size(args.record, name="--record")
-    print(f"{'path':<40} {'write':>12} {'read':>12}")
+    results, rooms = [], []
     for location in args.paths:
         try:
-            result = probe(Path(location), total_bytes=total, record_bytes=record, inflight=args.inflight)
+            results.append(probe(Path(location), total_bytes=total, record_bytes=record, inflight=args.inflight))
         except OffloadError as error:
             raise UsageError(str(error)) from None
-        print(f"{result.path:<40} {result.write_bandwidth / 1e6:>9.0f} MB/s {result.read_bandwidth / 1e6:>9.0f} MB/s")
+        rooms.append(capacity.room(location))
+    needs = None
+    if args.state is not None:
+        records = _records(
+            parse_size(args.state, name="--state"), parse_size(args.subgroup_size, name="--subgroup-size")
+        )
+        needs = _needs([r.speed for r in results], records, [room.block for room in rooms])
+    print(f"{'path':<40} {'write':>12} {'read':>12} {'free':>12}" + (f" {'needs':>12}" if needs else ""))
+    for index, (result, room) in enumerate(zip(results, rooms, strict=True)):
+        line = f"{result.path:<40} {result.write_bandwidth / 1e6:>9.0f} MB/s {result.read_bandwidth / 1e6:>9.0f} MB/s"
+        line += f" {format_bytes(room.free):>12}"
+        if needs:
+            line += f" {format_bytes(needs[index]):>12}" + ("  (short)" if needs[index] > room.free else "")
+        print(line)
+    if needs:
+        print(f"(needs: two slots of each record of its share of {args.state}, plus {capacity.HEADROOM:.0%} headroom)")
     return 0
+
+
+def _free(name: str, need: int) -> str:
+    """The free space of a path named by a directory on this machine (marked if short of ``need``), else ``-``."""
+    if not os.path.isdir(name):
+        return "-"
+    free = capacity.room(name).free
+    return format_bytes(free) + (" (short)" if need > free else "")
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -139,12 +182,23 @@ def plan_command(args: argparse.Namespace) -> int:
         f"{processes_per_node} process(es) per node, host cache {_bytes(cache)} per process"
     )
     print(f"predicted update time: {_seconds(full.seconds)}\n")
-    print(f"{'path':<12} {'share':>7} {'read/update':>14} {'written/update':>15} {'busy':>10}")
-    for speed, share, read, written, busy in zip(
-        speeds, full.shares, full.bytes_read, full.bytes_written, full.path_seconds, strict=True
+    needs = _needs(speeds, _records(state, record), [capacity.BLOCK] * len(speeds))
+    print(
+        f"{'path':<12} {'share':>7} {'read/update':>14} {'written/update':>15} {'busy':>10} {'needs/node':>12} "
+        f"{'free':>12}"
+    )
+    for speed, share, read, written, busy, need in zip(
+        speeds, full.shares, full.bytes_read, full.bytes_written, full.path_seconds, needs, strict=True
     ):
-        print(f"{speed.name:<12} {share:>7.1%} {_bytes(read):>14} {_bytes(written):>15} {_seconds(busy):>10}")
-    print(f"(+ {_bytes(full.idle_write_bytes)} written back from the cache between updates)\n")
+        print(
+            f"{speed.name:<12} {share:>7.1%} {_bytes(read):>14} {_bytes(written):>15} {_seconds(busy):>10} "
+            f"{format_bytes(need * processes_per_node):>12} {_free(speed.name, need * processes_per_node):>12}"
+        )
+    print(f"(+ {_bytes(full.idle_write_bytes)} written back from the cache between updates)")
+    print(
+        f"(needs/node: two slots of each record of the path's share, for the {processes_per_node} process(es) of "
+        f"a node, plus {capacity.HEADROOM:.0%} headroom; free: where NAME is a directory here)\n"
+    )
     baseline = model.predict_variant(model.ABLATION[0], speeds, **common).seconds
     print(f"{'mechanisms':<22} {'update':>10} {'vs baseline':>12}")
     for variant in model.ABLATION:
@@ -160,17 +214,26 @@ COMMANDS: tuple[Command, ...] = (
         summary="measure the read and write bandwidth of storage paths, through the tier code training uses",
         description=(
             "Writes records to a scratch folder (.jax_mlp_probe) on each path, several in flight, drops them\n"
-            "from the page cache, reads them back, prints the bandwidths and removes the folder. The records\n"
-            "are those training writes: zarr3 arrays through tensorstore, with a checksummed header.\n\n"
+            "from the page cache, reads them back, prints the bandwidths and the free space, and removes the\n"
+            "folder. The records are those training writes: zarr3 arrays through tensorstore, with a\n"
+            "checksummed header. With --state, it also prints the room each path needs for its share of that\n"
+            "much offloaded state, split by the measured bandwidths: the figure init checks.\n\n"
             "example:\n"
             "  jax-mlp probe /local/nvme/run1 /lustre/proj/run1\n"
-            "  jax-mlp probe /local/nvme/run1 --size 1GiB --record 64MiB"
+            "  jax-mlp probe /local/nvme/run1 --size 1GiB --record 64MiB\n"
+            "  jax-mlp probe /local/nvme/run1 /lustre/proj/run1 --state 80GiB"
         ),
         arguments=(
             argument("paths", nargs="+", metavar="PATH", help="directories to measure (created if missing)"),
             argument("--size", default="256MiB", help="bytes written and read back per path (default: %(default)s)"),
             argument("--record", default="16MiB", help="size of each record (default: %(default)s)"),
             argument("--inflight", type=int, default=4, help="records in flight at once (default: %(default)s)"),
+            argument(
+                "--state", default=None, help="offloaded state of one process, e.g. 80GiB: print each path's need"
+            ),
+            argument(
+                "--subgroup-size", default="256MiB", help="bytes per subgroup, with --state (default: %(default)s)"
+            ),
         ),
     ),
     Command(
@@ -180,7 +243,8 @@ COMMANDS: tuple[Command, ...] = (
         description=(
             "Applies the performance model that the scheduler uses (jax_mlp/model.py) to a model size, the\n"
             "paths' bandwidths and the host cache, and prints the predicted update time, the best split over\n"
-            "the paths, the bytes each path moves per update, and the gain of each mechanism.\n\n"
+            "the paths, the bytes each path moves per update, the room each path needs for its share (and its\n"
+            "free space, where NAME is a directory on this machine), and the gain of each mechanism.\n\n"
             "example:\n"
             "  jax-mlp plan --params 70e9 --paths nvme=5GB/s,pfs=2GB/s --host-cache 256GiB\n"
             "  jax-mlp plan --params 7e9 --paths nvme=6GB/s:4GB/s --master --processes-per-node 8"

@@ -8,9 +8,10 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -149,6 +150,17 @@ def as_path(path: str | os.PathLike | dict | Path) -> Path:
     return path if isinstance(path, Path) else Path(path)
 
 
+def _shape_of(name: str, value: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an extra argument given as an array, a number or a ``ShapeDtypeStruct``."""
+    try:
+        return jax.ShapeDtypeStruct(np.shape(value), jnp.result_type(value))
+    except TypeError as error:
+        raise TypeError(
+            f"extra_args[{name!r}] must be an array or a jax.ShapeDtypeStruct, got {type(value).__name__}: only "
+            "arrays can be passed on to the inner optimizer"
+        ) from error
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """Everything that configures one ``mlp_offload``: the one place its options are defined and checked.
@@ -181,6 +193,10 @@ class OffloadConfig:
       max_inflight: record transfers in flight at once per path, in this process.
       node_lock: ``True`` (or a node-local directory) to let only one process of a node use a given
         path at a time. Stored as the lock directory, or None.
+      extra_args: the extra keyword arguments the inner optimizer's ``update`` needs, by name, as
+        arrays or ``jax.ShapeDtypeStruct``s, e.g. ``{"value": jax.ShapeDtypeStruct((), jnp.float32)}``
+        for a loss: ``init`` checks the optimizer with them, and ``update(..., value=loss)`` passes
+        them to every subgroup alike. Stored as sorted ``(name, ShapeDtypeStruct)`` pairs.
     """
 
     paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path
@@ -199,6 +215,7 @@ class OffloadConfig:
     probe: bool = False
     max_inflight: int = 4
     node_lock: bool | str | os.PathLike | None = False
+    extra_args: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -217,6 +234,7 @@ class OffloadConfig:
             "subgroup_size": parse_size(self.subgroup_size, name="subgroup_size"),
             "master_dtype": None if self.master_dtype is None else np.dtype(self.master_dtype),
             "node_lock": os.fspath(node_lock) if node_lock else None,
+            "extra_args": tuple(sorted((str(k), _shape_of(k, v)) for k, v in dict(self.extra_args).items())),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)

@@ -9,8 +9,17 @@ class OffloadError(RuntimeError):
     directory of another run, an optimizer that cannot run exactly) and for I/O that exceeds ``io_timeout``."""
 
 
+class CoupledOptimizerError(OffloadError):
+    """The inner optimizer reads across param leaves (a global norm, a global step size), so running it
+    one subgroup of leaves at a time would compute other values than the same optimizer in memory."""
+
+
 class PathError(OffloadError):
-    """A storage path is missing, unwritable, full or gone."""
+    """A storage path is missing, unwritable, full, too small for its share, or gone."""
+
+
+class PathInUseError(PathError):
+    """A path's run directory is held by another live writer (``mlp_offload``), in this process or another."""
 
 
 class RecordError(OffloadError):

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mlp import kernels
 from jax_mlp.errors import OffloadError
+from jax_mlp.kernels import Uniform
 from jax_mlp.partition import Piece, Plan
 from jax_mlp.placement import BlockKey, LeafPlacement
 from jax_mlp.step import IN_CALLBACK, Blocks, StateStream
@@ -89,7 +90,9 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
 
 
 def _spans_devices(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+    """Whether ``leaf`` (an array, or a restore's ``jax.ShapeDtypeStruct``) is sharded over several devices."""
+    sharding = getattr(leaf, "sharding", None)
+    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) and sharding is not None and len(sharding.device_set) > 1
 
 
 def _first_cpu_device() -> jax.Device:
@@ -150,9 +153,10 @@ def host_update(
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array] | None,
     step: jax.Array,
+    uniform: Uniform,
     out_blocks: Sequence[jax.ShapeDtypeStruct],
 ) -> list[jax.Array]:
-    """Traces the update as one ``on_device(step, device_index, *grad_blocks, *param_blocks)`` per device.
+    """Traces the update as one ``on_device(step, device_index, uniform, *grad_blocks, *param_blocks)`` per device.
 
     Args:
       layout: from :func:`jit_layout`.
@@ -161,6 +165,7 @@ def host_update(
       grads: the gradient leaves (tracers).
       params: the param leaves, or None.
       step: the traced step of the ``OffloadState``.
+      uniform: what every subgroup is given alike (tracers), replicated to every device.
       out_blocks: per leaf, the shape and dtype of one device's block of its update.
 
     Returns:
@@ -169,20 +174,20 @@ def host_update(
     mesh, specs = layout.mesh, list(layout.specs)
     params = list(params or [])
 
-    def per_device(step, grads, params):
+    def per_device(step, uniform, grads, params):
         index = sum(
             jax.lax.axis_index(name) * math.prod(mesh.devices.shape[i + 1 :]) for i, name in enumerate(mesh.axis_names)
         )
-        return io_callback(on_device, list(out_blocks), step, jnp.int32(index), *grads, *params)
+        return io_callback(on_device, list(out_blocks), step, jnp.int32(index), uniform, *grads, *params)
 
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(), specs, specs if params else []),
+        in_specs=(P(), P(), specs, specs if params else []),
         out_specs=specs,
         check_vma=False,
     )
-    return mapped(step, list(grads), params)
+    return mapped(step, uniform, list(grads), params)
 
 
 class Rendezvous:
@@ -272,7 +277,9 @@ class JitRoute:
         self._keys = placement.block_keys(plan, devices)
         self._rendezvous = Rendezvous(len(devices), peer_timeout)
 
-    def trace(self, grads: Sequence[jax.Array], params: Sequence[jax.Array] | None, step: jax.Array) -> list:
+    def trace(
+        self, grads: Sequence[jax.Array], params: Sequence[jax.Array] | None, step: jax.Array, uniform: Uniform
+    ) -> list:
         """Traces one update as a host callback per device; returns the update leaves, sharded as the params.
 
         Raises:
@@ -284,15 +291,20 @@ class JitRoute:
         out_blocks = [
             jax.ShapeDtypeStruct(shape, kernels.update_dtype(self._plan, i)) for i, shape in enumerate(shapes)
         ]
-        return host_update(self.layout, self._on_device, grads, params, step, out_blocks)
+        return host_update(self.layout, self._on_device, grads, params, step, uniform, out_blocks)
 
-    def _on_device(self, step: np.ndarray, device_index: np.ndarray, *blocks: np.ndarray) -> list[np.ndarray]:
+    def _on_device(
+        self, step: np.ndarray, device_index: np.ndarray, uniform: Uniform, *blocks: np.ndarray
+    ) -> list[np.ndarray]:
         """One device's host callback: meets the others, then returns its blocks of the updates."""
         device = self.layout.mesh.devices.flat[int(device_index)]
-        results = self._rendezvous.meet(int(step), device.id, blocks, functools.partial(self._on_host, int(step)))
+        run = functools.partial(self._on_host, int(step), uniform)  # every device brings the same uniform
+        results = self._rendezvous.meet(int(step), device.id, blocks, run)
         return [results[key] for key in self._keys[device.id]]
 
-    def _on_host(self, step: int, blocks_by_device: dict[int, Sequence[np.ndarray]]) -> dict[BlockKey, np.ndarray]:
+    def _on_host(
+        self, step: int, uniform: Uniform, blocks_by_device: dict[int, Sequence[np.ndarray]]
+    ) -> dict[BlockKey, np.ndarray]:
         """The whole update on the host CPU backend, with every device's grad (and param) blocks.
 
         Runs in the callback of the last device to arrive. An error leaves step ``step`` intact and
@@ -318,7 +330,7 @@ class JitRoute:
             return lambda p: on_host(whole if p.device is None else p.device, offset + p.leaf)
 
         has_params = len(blocks_by_device[whole]) > n
-        blocks = Blocks(block_of(0), block_of(n) if has_params else None, lambda _: host)
+        blocks = Blocks(block_of(0), block_of(n) if has_params else None, lambda _: host, uniform)
         try:
             with jax.default_device(host):
                 results = self._stream.run_step(step, blocks, IN_CALLBACK)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mlp.errors import OffloadError
 from jax_mlp.partition import Plan
 
 
@@ -95,3 +96,37 @@ def check_update_inputs(plan: Plan, updates: Any, params: Any) -> tuple[list, li
     if params is None:
         return grads, None
     return grads, [jnp.asarray(x) for x in check_tree(plan, params, "params", check_dtype=True)]
+
+
+def check_shared(shapes: Any, shared: Any) -> list:
+    """The leaves of an ``OffloadState.shared``, checked against ``shapes`` and cast to their dtypes.
+
+    Raises:
+      OffloadError: the user replaced the shared state by one of another structure or shapes.
+    """
+    expected = jax.tree_util.tree_leaves(shapes)
+    leaves, treedef = jax.tree_util.tree_flatten(shared)
+    if treedef != jax.tree_util.tree_structure(shapes) or any(
+        jnp.shape(x) != e.shape for x, e in zip(leaves, expected, strict=True)
+    ):
+        raise OffloadError(
+            f"the shared state of the opt_state passed to update ({treedef}) is not the one init returned "
+            f"({jax.tree_util.tree_structure(shapes)} of shapes {[e.shape for e in expected]}); change its values, "
+            "keeping their structure and shapes, e.g. state.hyperparams['learning_rate'] = 1e-4"
+        )
+    return [jnp.asarray(x, e.dtype) for x, e in zip(leaves, expected, strict=True)]
+
+
+def extra_arrays(extra_args: dict[str, Any]) -> dict[str, jax.Array]:
+    """The extra arguments of an ``update`` call as arrays (or tracers).
+
+    Raises:
+      OffloadError: one is not an array or a number (a callable ``obj_fn``, say).
+    """
+    for name, value in extra_args.items():
+        if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
+            raise OffloadError(
+                f"update got the extra argument {name}={type(value).__name__}; mlp_offload passes only arrays on to "
+                "the inner optimizer, the same to every subgroup: pass it as an array, or use it outside mlp_offload"
+            )
+    return {name: jnp.asarray(value) for name, value in extra_args.items()}

@@ -3,6 +3,11 @@
 A subgroup's program sees the user's whole tree with ``None`` outside the subgroup (its *view*), so
 masks and per-leaf optimizers keep their meaning. Programs are keyed by a :class:`SubgroupSpec`
 and shared through :class:`Executables`: a model of 24 identical blocks compiles once.
+
+The *shared* state is the inner state of a view with no leaves (counts, injected hyperparameters):
+every subgroup holds a copy. The user's handle carries it; each update gives every subgroup the
+handle's values and their successors alike (:class:`Uniform`), so a value set on the handle reaches
+every subgroup, and every record's copy equals the handle's, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import optax
 
 from jax_mlp import partition
+from jax_mlp.errors import OffloadError
 from jax_mlp.partition import Piece, Plan, Subgroup
 
 
@@ -40,13 +46,24 @@ class SubgroupSpec(NamedTuple):
     dtypes: tuple[np.dtype, ...]
     state_treedef: Any
     master_dtype: np.dtype | None
+    shared: tuple[int, ...]  # the position of each shared state leaf among the subgroup's state leaves
 
     @classmethod
-    def of(cls, inner: optax.GradientTransformation, plan: Plan, subgroup: Subgroup) -> SubgroupSpec:
+    def of(
+        cls, inner: optax.GradientTransformation, plan: Plan, subgroup: Subgroup, shared_paths: Sequence[str]
+    ) -> SubgroupSpec:
         pieces = tuple(Piece(p.leaf, None if p.rows is None else (0, p.rows[1] - p.rows[0])) for p in subgroup.pieces)
         dtypes = tuple(update_dtype(plan, p.leaf) for p in pieces)
+        treedef = subgroup.layout.state_treedef
         return cls(
-            inner, plan.treedef, len(plan.leaves), pieces, dtypes, subgroup.layout.state_treedef, plan.master_dtype
+            inner,
+            plan.treedef,
+            len(plan.leaves),
+            pieces,
+            dtypes,
+            treedef,
+            plan.master_dtype,
+            _positions(treedef, shared_paths),
         )
 
     def view(self, values: Sequence[Any]) -> Any:
@@ -91,6 +108,45 @@ class Executables:
 EXECUTABLES = Executables()
 
 
+def empty_view(plan: Plan) -> Any:
+    """The params tree with ``None`` for every leaf: the view of no subgroup, whose state is the shared state."""
+    return jax.tree_util.tree_unflatten(plan.treedef, [None] * len(plan.leaves))
+
+
+def _paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _positions(state_treedef: Any, shared_paths: Sequence[str]) -> tuple[int, ...]:
+    """Where each shared state leaf is among a subgroup's state leaves (found by tree path)."""
+    paths = _paths(jax.tree_util.tree_unflatten(state_treedef, [0] * state_treedef.num_leaves))
+    missing = [path for path in shared_paths if path not in paths]
+    if missing:
+        raise OffloadError(
+            f"the inner optimizer's state {missing[0]} is in the state of a view with no leaves but not in every "
+            "subgroup's, so it is not held alike by all subgroups; use a leaf-wise optimizer"
+        )
+    return tuple(paths.index(path) for path in shared_paths)
+
+
+class Uniform(NamedTuple):
+    """What every subgroup of one update is given alike.
+
+    Attributes:
+      shared: the shared state leaves the update starts from, in place of each record's copy.
+      new_shared: their new values, written into every subgroup's new state.
+      extra_args: the extra keyword arguments of ``inner.update`` (arrays).
+    """
+
+    shared: tuple[jax.Array, ...]
+    new_shared: tuple[jax.Array, ...]
+    extra_args: dict[str, jax.Array]
+
+    def to(self, device: jax.Device | None) -> Uniform:
+        """The same values on ``device`` (None: left where they are)."""
+        return self if device is None else jax.device_put(self, device)
+
+
 def _slice_rows(leaf: jax.Array, start: jax.Array, piece: Piece) -> jax.Array:
     if piece.rows is None:
         return leaf
@@ -116,12 +172,14 @@ def _subgroup_update(
     state_leaves: Sequence[jax.Array],
     master_leaves: Sequence[jax.Array],
     accumulators: Sequence[jax.Array | None],
+    uniform: Uniform,
 ) -> tuple:
     """One subgroup's inner update on its view.
 
     Gradients are up-cast here to the dtype the optimizer works in (the master dtype, or the
     param dtype). ``params`` may be None (no master) when the inner optimizer needs none. Updates
-    of a row chunk are written into its leaf's accumulator in place.
+    of a row chunk are written into its leaf's accumulator in place. The shared state leaves come
+    from ``uniform`` in and go out as ``uniform.new_shared``.
 
     Returns:
       Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
@@ -136,8 +194,8 @@ def _subgroup_update(
         inner_params = spec.view(master_leaves)
     else:
         inner_params = None if param_pieces is None else spec.view(param_pieces)
-    state = jax.tree_util.tree_unflatten(spec.state_treedef, state_leaves)
-    updates, new_state = spec.inner.update(spec.view(grad_pieces), state, inner_params)
+    state = jax.tree_util.tree_unflatten(spec.state_treedef, _placed(state_leaves, spec.shared, uniform.shared))
+    updates, new_state = spec.inner.update(spec.view(grad_pieces), state, inner_params, **uniform.extra_args)
     update_pieces = jax.tree_util.tree_leaves(updates)
     if spec.master_dtype is not None:
         new_master = [optax.apply_updates(m, u) for m, u in zip(master_leaves, update_pieces, strict=True)]
@@ -152,7 +210,24 @@ def _subgroup_update(
         u if piece.rows is None else jax.lax.dynamic_update_slice_in_dim(acc, u, start, axis=0)
         for piece, start, u, acc in zip(spec.pieces, starts, user_updates, accumulators, strict=True)
     ]
-    return outputs, jax.tree_util.tree_leaves(new_state), new_master
+    return outputs, _placed(jax.tree_util.tree_leaves(new_state), spec.shared, uniform.new_shared), new_master
+
+
+def _placed(leaves: Sequence[jax.Array], positions: Sequence[int], values: Sequence[jax.Array]) -> list[jax.Array]:
+    """``leaves`` with ``values`` at ``positions``."""
+    placed = list(leaves)
+    for position, value in zip(positions, values, strict=True):
+        placed[position] = value
+    return placed
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _shared_update(
+    inner: optax.GradientTransformationExtraArgs, treedef: Any, shared: Any, extra_args: dict[str, jax.Array]
+) -> Any:
+    """The inner update on a view with no leaves: the shared state's next value."""
+    empty = jax.tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves)
+    return inner.update(empty, shared, empty, **extra_args)[1]
 
 
 def _row_starts(subgroup: Subgroup, device: jax.Device | None) -> list[jax.Array]:
@@ -174,12 +249,27 @@ class Programs:
     Made with the plan and dropped with it, so a retried ``init`` never sees another plan's specs.
 
     Args:
-      inner: the optimizer whose init and update run per subgroup.
+      inner: the optimizer whose init and update run per subgroup (taking extra arguments).
       plan: the subgroups.
+
+    Attributes:
+      shared_shapes: the shared state (``inner.init`` of a view with no leaves), as shapes.
     """
 
-    def __init__(self, inner: optax.GradientTransformation, plan: Plan):
-        self._specs = [SubgroupSpec.of(inner, plan, subgroup) for subgroup in plan.subgroups]
+    def __init__(self, inner: optax.GradientTransformationExtraArgs, plan: Plan):
+        self._inner = inner
+        self._treedef = plan.treedef
+        self.shared_shapes = partition.init_shapes(inner, empty_view(plan))
+        paths = _paths(self.shared_shapes)
+        self._specs = [SubgroupSpec.of(inner, plan, subgroup, paths) for subgroup in plan.subgroups]
+
+    def shared_of(self, subgroup: Subgroup, state_leaves: Sequence[Any]) -> list[Any]:
+        """The shared state leaves among a subgroup's state leaves."""
+        return [state_leaves[i] for i in self._specs[subgroup.index].shared]
+
+    def shared_update(self, shared: Any, extra_args: dict[str, jax.Array]) -> Any:
+        """The shared state after one update from ``shared`` (traceable: the in-jit route traces it)."""
+        return _shared_update(self._inner, self._treedef, shared, extra_args)
 
     def init(self, subgroup: Subgroup, params: Sequence[jax.Array], device: jax.Device | None) -> tuple:
         """The subgroup's initial (state leaves, master leaves), from its pieces' param blocks."""
@@ -193,6 +283,7 @@ class Programs:
         params: Sequence[jax.Array] | None,
         fields: tuple,
         accumulators: Sequence[jax.Array | None],
+        uniform: Uniform,
     ) -> SubgroupUpdate:
         """One subgroup's update on ``device``.
 
@@ -203,11 +294,12 @@ class Programs:
           params: each piece's param block, or None when the update needs no params.
           fields: the subgroup's (state leaves, master leaves) on the device.
           accumulators: per piece, its leaf's accumulator for a row chunk (donated), else None.
+          uniform: the shared state and extra arguments, on ``device``.
 
         Returns:
           The update blocks and the new state and master leaves.
         """
         state_leaves, master_leaves = fields
         starts = _row_starts(subgroup, device)
-        args = (list(grads), params, starts, state_leaves, master_leaves, list(accumulators))
+        args = (list(grads), params, starts, state_leaves, master_leaves, list(accumulators), uniform)
         return SubgroupUpdate(*EXECUTABLES(_subgroup_update, self._specs[subgroup.index], *args))

@@ -8,6 +8,7 @@ each update to its :class:`~jax_mlp.step.StateStream`: eagerly, or through the i
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,28 +17,43 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlp import inputs, partition, peers, resume
+from jax_mlp import dependence, inputs, partition, peers, resume
 from jax_mlp.config import OffloadConfig, parse_rate
 from jax_mlp.errors import OffloadError
 from jax_mlp.in_jit import JitRoute
+from jax_mlp.kernels import Uniform
 from jax_mlp.partition import Plan
 from jax_mlp.placement import LeafPlacement
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import UpdateStats
 from jax_mlp.step import EAGER, Blocks, StateStream
-from jax_mlp.storage.paths import open_path
+from jax_mlp.storage.paths import open_paths, release_paths
 from jax_mlp.storage.tier_stack import Pin
 
 _INSTANCES = itertools.count()  # names this process's offloaders alike in every process, for barriers
 
 
 class OffloadState(NamedTuple):
-    """The whole optimizer state the user holds: the number of updates applied so far.
+    """The optimizer state the user holds: the number of updates applied, and the shared state.
 
     The inner optimizer's state is in the tiers; ``step`` ties this handle to the step they hold.
+    ``shared`` is the part of the inner state that every subgroup holds alike: ``inner.init`` of
+    the params with ``None`` for every leaf (counts, injected hyperparameters; None before ``init``).
+    Read it to log it; replace a value between updates (``state.hyperparams["learning_rate"] = 1e-4``)
+    and the next update gives it to every subgroup.
     """
 
     step: jax.Array
+    shared: Any = None
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        """The injected hyperparameters of an ``optax.inject_hyperparams`` inner optimizer, as in optax."""
+        if not hasattr(self.shared, "hyperparams"):
+            raise AttributeError(
+                "this OffloadState has no hyperparams: the inner optimizer is not made with optax.inject_hyperparams"
+            )
+        return self.shared.hyperparams
 
 
 class _Live(NamedTuple):
@@ -82,13 +98,14 @@ class Offloader(ClosesOnExit):
         resume: bool = False,
         on_stats: Callable[[UpdateStats], None] | None = None,
     ):
-        self.inner = inner
+        self.inner = optax.with_extra_args_support(inner)
         self.config = config
         self.resume = resume
         self.on_stats = on_stats
         self._run_key = f"jax_mlp/{next(_INSTANCES)}"
         self._live: _Live | None = None
         self._closed = False
+        self._checked_extra_args = {config.extra_args}  # signatures the optimizer check has passed
 
     # ----------------------------------------------------------------------------- read-only views
 
@@ -96,6 +113,11 @@ class Offloader(ClosesOnExit):
     def plan(self) -> Plan | None:
         """The subgroups, or None before ``init``."""
         return None if self._live is None else self._live.plan
+
+    @property
+    def placement(self) -> LeafPlacement:
+        """Each leaf's sharding and owned shards, as at ``init``."""
+        return self._require_live().placement
 
     @property
     def step(self) -> int:
@@ -168,25 +190,41 @@ class Offloader(ClosesOnExit):
         leaves = jax.tree_util.tree_leaves(params)
         placement = LeafPlacement.of(leaves)
         config = self.config
-        plan = partition.make_plan(params, self.inner, config.subgroup_size, config.master_dtype, placement.shards)
-        paths = [
-            open_path(p, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock)
-            for p in config.paths
-        ]
-        resume.check_paths(paths, plan, resume=self.resume)
-        stream = StateStream(self.inner, config, plan, paths, run_key=self._run_key, on_stats=self.on_stats)
-        live = _Live(plan, placement, stream, JitRoute(plan, placement, leaves, stream, config.peer_timeout))
+        check = dependence.check_optimizer(self.inner, params, config.master_dtype, dict(config.extra_args))
+        plan = partition.make_plan(
+            params,
+            self.inner,
+            config.subgroup_size,
+            config.master_dtype,
+            placement.shards,
+            whole_leaves=check.whole_leaves,
+        )
+        oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
+        _warn_of(oversized, plan, config.subgroup_size)
+        notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
+        paths = open_paths(
+            config.paths, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock
+        )
+        stream = None
         try:
+            resume.check_paths(paths, plan, resume=self.resume)
+            stream = StateStream(
+                self.inner, config, plan, paths, run_key=self._run_key, on_stats=self.on_stats, init_notes=notes
+            )
+            live = _Live(plan, placement, stream, JitRoute(plan, placement, leaves, stream, config.peer_timeout))
             populate(live)
             for path in paths:
                 path.write_run_file(resume.run_identity(plan))
             if jax.process_count() > 1:
                 peers.barrier(f"{self._run_key}/init", config.peer_timeout, "the end of init")
         except BaseException:
-            stream.engine.close()
+            if stream is not None:
+                stream.engine.close()
+            release_paths(paths)  # a live offload holds them until close; a failed init lets go
             raise
         self._live = live
-        return OffloadState(jnp.asarray(stream.step, jnp.int32))
+        shared = jax.tree_util.tree_unflatten(_treedef(stream), [jnp.asarray(x) for x in stream.shared])
+        return OffloadState(jnp.asarray(stream.step, jnp.int32), shared)
 
     def _resume(self, live: _Live) -> None:
         step, locations = resume.last_complete_step(
@@ -266,14 +304,27 @@ class Offloader(ClosesOnExit):
     ) -> tuple[Any, OffloadState]:
         """Streams every subgroup's state through the device and returns the inner optimizer's updates.
 
+        Args:
+          updates: the gradients, shaped as the params.
+          state: the :class:`OffloadState` of the previous ``init`` or ``update``; its ``shared`` values
+            (set by the user, perhaps) are what every subgroup starts from.
+          params: the params; needed by optimizers that read them, and with ``master_dtype``.
+          **extra_args: arrays passed to the inner optimizer's ``update`` (e.g. ``value=loss``), the
+            same for every subgroup; a new combination is checked once (see :mod:`jax_mlp.dependence`).
+
         Called inside ``jax.jit``, it traces the in-jit route instead (see :mod:`jax_mlp.in_jit`).
         """
-        del extra_args
         live = self._check_state(state)
         grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
-        if inputs.is_traced((grads, state, param_leaves)):
-            leaves = live.jit.trace(grads, param_leaves, state.step)
-            return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), OffloadState(state.step + 1)
+        extra = self._checked_extra(live.plan, extra_args)
+        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
+        new_shared = live.stream.programs.shared_update(
+            jax.tree_util.tree_unflatten(_treedef(live.stream), shared), extra
+        )
+        uniform = Uniform(tuple(shared), tuple(jax.tree_util.tree_leaves(new_shared)), extra)
+        if inputs.is_traced((grads, state, param_leaves, extra)):
+            leaves = live.jit.trace(grads, param_leaves, state.step, uniform)
+            return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), OffloadState(state.step + 1, new_shared)
         placement = live.placement
         home = placement.home(grads)
         grad_blocks = placement.blocks(grads)
@@ -282,10 +333,20 @@ class Offloader(ClosesOnExit):
             lambda p: grad_blocks[p.leaf][p.device],
             None if param_blocks is None else lambda p: param_blocks[p.leaf][p.device],
             lambda subgroup: placement.device_of(subgroup, home),
+            uniform,
         )
         results = live.stream.run_step(int(state.step), blocks, EAGER)
         new_updates = jax.tree_util.tree_unflatten(live.plan.treedef, placement.assemble(live.plan, results))
-        return new_updates, OffloadState(jnp.asarray(live.stream.step, jnp.int32))
+        return new_updates, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
+
+    def _checked_extra(self, plan: Plan, extra_args: dict[str, Any]) -> dict[str, jax.Array]:
+        """The extra arguments as arrays; the optimizer is checked with each new combination of their shapes."""
+        extra = inputs.extra_arrays(extra_args)
+        signature = tuple(sorted((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in extra.items()))
+        if signature not in self._checked_extra_args:
+            dependence.check_extra_args(self.inner, plan, extra)
+            self._checked_extra_args.add(signature)
+        return extra
 
     def _check_state(self, state: Any) -> _Live:
         if not isinstance(state, OffloadState):
@@ -296,3 +357,17 @@ class Offloader(ClosesOnExit):
             raise OffloadError("mlp_offload.update was called before init")
         self._check_open()
         return self._live
+
+
+def _treedef(stream: StateStream) -> Any:
+    return jax.tree_util.tree_structure(stream.programs.shared_shapes)
+
+
+def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:
+    for leaf, index in oversized.items():
+        warnings.warn(
+            f"param {leaf} is kept whole in subgroup {index}, of {plan.subgroups[index].layout.nbytes} bytes, above "
+            f"subgroup_size={subgroup_size}: its optimizer mixes its rows (adafactor, lamb, lars and muon do), so "
+            "cutting it into row chunks would change the math. Expect that subgroup to take more memory and time",
+            stacklevel=4,
+        )

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 import optax
 
+from jax_mlp.errors import OffloadError
+
 ALIGN = 64
 
 
@@ -139,15 +141,19 @@ def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
     Of the replicas of a block held by this process's devices, the one with the lowest
     ``replica_id`` owns it; the others receive its update. A block replicated on other processes is
     owned there too: each process updates the blocks it holds, so no update waits on a peer.
+    ``leaf`` is an array or a ``jax.ShapeDtypeStruct`` with a sharding (a restore's params).
     """
-    if not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) == 1:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is None or len(sharding.device_set) == 1:
         return None
     owners: dict[tuple, Any] = {}
-    for shard in leaf.addressable_shards:
-        box = shard_box(shard.index, leaf.shape)
-        if box not in owners or shard.replica_id < owners[box].replica_id:
-            owners[box] = shard
-    return tuple(Shard(box, shard.device.id) for box, shard in sorted(owners.items(), key=lambda kv: kv[1].device.id))
+    process = jax.process_index()
+    # Replica ids count the devices holding a block in this order (jax's device_replica_id_map).
+    for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
+        box = shard_box(index, tuple(leaf.shape))
+        if device.process_index == process and box not in owners:
+            owners[box] = device
+    return tuple(Shard(box, device.id) for box, device in sorted(owners.items(), key=lambda kv: kv[1].id))
 
 
 def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values: Sequence[Any]) -> Any:
@@ -156,6 +162,24 @@ def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values
     for piece, value in zip(pieces, piece_values, strict=True):
         leaves[piece.leaf] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def init_shapes(inner: optax.GradientTransformation, view: Any) -> Any:
+    """The shapes of ``inner.init(view)``, for a view with ``None`` in place of some leaves.
+
+    Raises:
+      OffloadError: ``inner.init`` fails on such a view (``optax.contrib.galore`` treats ``None`` as
+        a leaf), so the optimizer cannot be run one subgroup at a time.
+    """
+    try:
+        return jax.eval_shape(inner.init, view)
+    except Exception as error:
+        first_line = (str(error).splitlines() or [""])[0]
+        raise OffloadError(
+            f"inner.init fails on the view of a subgroup, the params with None in place of the leaves outside it "
+            f"({type(error).__name__}: {first_line}); mlp_offload needs an optimizer that skips None leaves, as "
+            "optax's tree maps do. Run this optimizer in memory, without mlp_offload, or use a leaf-wise optimizer"
+        ) from error
 
 
 def _abstract_pieces(plan_leaves: Sequence[LeafSpec], pieces: Sequence[Piece], dtype: np.dtype | None) -> list:
@@ -195,7 +219,7 @@ class _Estimator:
     def _state_nbytes(self, pieces: Sequence[Piece]) -> int:
         values = _abstract_pieces(self._specs, pieces, self._master_dtype)
         view = view_of(self._treedef, len(self._specs), pieces, values)
-        return _tree_nbytes(jax.eval_shape(self._inner.init, view))
+        return _tree_nbytes(init_shapes(self._inner, view))
 
     def piece_nbytes(self, piece: Piece) -> int:
         """Bytes of state (and master) of a whole piece; pieces of one shape share the estimate."""
@@ -219,9 +243,16 @@ def _whole_pieces(shards: Sequence[tuple[Shard, ...] | None]) -> list[Piece]:
 
 
 def _group_pieces(
-    specs: Sequence[LeafSpec], pieces: Sequence[Piece], estimator: _Estimator, subgroup_size: int
+    specs: Sequence[LeafSpec],
+    pieces: Sequence[Piece],
+    estimator: _Estimator,
+    subgroup_size: int,
+    whole_leaves: frozenset[int] = frozenset(),
 ) -> list[list[Piece]]:
-    """Greedy packing in order, never mixing devices; a piece above ``subgroup_size`` is cut into row chunks."""
+    """Greedy packing in order, never mixing devices; a piece above ``subgroup_size`` is cut into row chunks.
+
+    A piece of a leaf in ``whole_leaves`` is never cut: above ``subgroup_size``, it is a subgroup of its own.
+    """
     groups: list[list[Piece]] = []
     current: list[Piece] = []
     current_bytes = 0
@@ -232,6 +263,10 @@ def _group_pieces(
         nbytes = estimator.piece_nbytes(whole)
         shape = piece_shape(specs[whole.leaf], whole)
         rows = shape[0] if shape else 1
+        if nbytes > subgroup_size and whole.leaf in whole_leaves:
+            groups.extend([current, [whole]] if current else [[whole]])
+            current, current_bytes = [], 0
+            continue
         if nbytes > subgroup_size and rows > 1:
             if current:
                 groups.append(current)
@@ -250,6 +285,37 @@ def _group_pieces(
     if current:
         groups.append(current)
     return groups
+
+
+def _refuse_cut_whole_leaves(
+    specs: Sequence[LeafSpec], shards: Sequence[tuple[Shard, ...] | None], whole_leaves: frozenset[int]
+) -> None:
+    """Raises for a leaf that must stay whole but is sharded into blocks: each block is updated on its own.
+
+    A leaf replicated on several devices is still whole in each block, and is accepted.
+    """
+    for leaf in sorted(whole_leaves):
+        spec, leaf_shards = specs[leaf], shards[leaf]
+        full = tuple((0, size) for size in spec.shape)
+        cut = next((shard for shard in leaf_shards or () if shard.box != full), None)
+        if cut is not None:
+            raise OffloadError(
+                f"param {spec.path} {spec.shape} is sharded into blocks such as {cut.box}, but its optimizer mixes "
+                "its rows (adafactor, lamb, lars and muon do), so each block updated on its own would give other "
+                f"values than in memory; replicate {spec.path}, or use an element-wise optimizer for it"
+            )
+
+
+def oversized_whole_leaves(plan: Plan, whole_leaves: frozenset[int], subgroup_size: int) -> dict[str, int]:
+    """Each leaf of ``whole_leaves`` that, kept whole, exceeds ``subgroup_size``: its path, and its subgroup's index.
+
+    Such a leaf is a subgroup of its own (see :func:`make_plan`).
+    """
+    return {
+        plan.leaves[sg.pieces[0].leaf].path: sg.index
+        for sg in plan.subgroups
+        if len(sg.pieces) == 1 and sg.pieces[0].leaf in whole_leaves and sg.layout.nbytes > subgroup_size
+    }
 
 
 def _hash_plan(treedef: Any, specs: Sequence[LeafSpec], subgroups: Sequence[Subgroup], master_dtype) -> bytes:
@@ -271,6 +337,8 @@ def make_plan(
     subgroup_size: int,
     master_dtype: np.dtype | None = None,
     shards: Sequence[tuple[Shard, ...] | None] | None = None,
+    *,
+    whole_leaves: frozenset[int] = frozenset(),
 ) -> Plan:
     """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
 
@@ -283,21 +351,29 @@ def make_plan(
       master_dtype: dtype of the master params stored with the state, or None for no master copy.
       shards: per leaf, the shards this process owns (see :func:`owned_shards`), or None for a leaf
         on one device; None for no sharded leaves.
+      whole_leaves: indices (in ``tree_leaves`` order) of leaves whose optimizer mixes their rows
+        (see :func:`jax_mlp.dependence.check_optimizer`): they are never cut into row chunks, and
+        one above ``subgroup_size`` is a subgroup of its own.
 
     Returns:
       The plan, with each subgroup's record layout and a hash identifying the whole layout.
+
+    Raises:
+      OffloadError: a leaf of ``whole_leaves`` is sharded into blocks smaller than the leaf.
     """
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = tuple(
         LeafSpec(jax.tree_util.keystr(path), tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in path_leaves
     )
+    shards = shards or [None] * len(specs)
+    _refuse_cut_whole_leaves(specs, shards, whole_leaves)
     estimator = _Estimator(inner, treedef, specs, master_dtype)
-    whole = _whole_pieces(shards or [None] * len(specs))
+    whole = _whole_pieces(shards)
     subgroups = []
-    for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size)):
+    for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size, whole_leaves)):
         state_pieces = _abstract_pieces(specs, pieces, master_dtype)
         view = view_of(treedef, len(specs), pieces, state_pieces)
-        state_shapes = jax.eval_shape(inner.init, view)
+        state_shapes = init_shapes(inner, view)
         master_shapes = state_pieces if master_dtype is not None else []
         subgroups.append(Subgroup(index, tuple(pieces), _layout(state_shapes, master_shapes)))
     return Plan(treedef, specs, tuple(subgroups), master_dtype, _hash_plan(treedef, specs, subgroups, master_dtype))

@@ -94,6 +94,30 @@ class LeafPlacement(NamedTuple):
             leaves.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
         return leaves
 
+    def blocks_of(self, leaf: int, shape: tuple[int, ...]) -> list[tuple[tuple[tuple[int, int], ...], jax.Device]]:
+        """Every block of a sharded leaf, over all processes, with the first device holding it.
+
+        The order is the sharding's device order, the same in every process; that first device
+        holds the block's replica 0.
+        """
+        return _first_holders(self.shardings[leaf], shape)
+
+    def written_here(self, leaf: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...] | None) -> bool:
+        """Whether this process writes ``box`` (inside one block of leaf ``leaf``, or None: all of it) to a checkpoint.
+
+        Each block is written once over all processes: by the process holding its replica 0; a leaf
+        on one device (each process has its own) by process 0, as orbax's primary host.
+        """
+        if self.shardings[leaf] is None:
+            return jax.process_index() == 0
+        corner = tuple(start for start, _ in box)
+        device = next(
+            device
+            for block, device in self.blocks_of(leaf, shape)
+            if all(lo <= at < hi for at, (lo, hi) in zip(corner, block, strict=True))
+        )
+        return device.process_index == jax.process_index()
+
     def block_keys(self, plan: Plan, devices: Sequence[jax.Device]) -> dict[int, list[BlockKey]]:
         """Per device, for each leaf, the key of the update block that device receives."""
         owners = self.owners(plan)
@@ -101,6 +125,15 @@ class LeafPlacement(NamedTuple):
             device.id: [(index, None if of is None else of[device]) for index, of in enumerate(owners)]
             for device in devices
         }
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_holders(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list:
+    """Each block of a leaf of ``shape`` with ``sharding``, and the first device holding it (a save asks per region)."""
+    first: dict[tuple[tuple[int, int], ...], jax.Device] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        first.setdefault(partition.shard_box(index, shape), device)
+    return list(first.items())
 
 
 @functools.cache

@@ -92,6 +92,9 @@ class UpdateStats(NamedTuple):
       placement: how many subgroups have their newest stored record on each path, keyed by path.
       bandwidth: the scheduler's estimate of each path's bandwidth after this call, keyed by path,
         as ``{"read": bytes/s, "write": bytes/s}``: declared, probed, or measured while running.
+      check_s: of an init, the seconds the optimizer check took (see :mod:`jax_mlp.dependence`).
+      whole_leaf_subgroups: of an init, each leaf kept whole although its state exceeds
+        ``subgroup_size`` (its optimizer mixes its rows), keyed by leaf path, with its subgroup's index.
     """
 
     step: int
@@ -108,6 +111,8 @@ class UpdateStats(NamedTuple):
     events: tuple[IOEvent, ...] = ()
     placement: Mapping[str, int] = _NO_PLACEMENT
     bandwidth: Mapping[str, Mapping[str, float]] = MappingProxyType({})
+    check_s: float = 0.0
+    whole_leaf_subgroups: Mapping[str, int] = _NO_PLACEMENT
 
     @property
     def paths(self) -> list[str]:
@@ -124,7 +129,7 @@ class UpdateStats(NamedTuple):
         Returns:
           The scalar fields, then per path: ``bytes_read``, ``bytes_written``, ``read_busy_s`` and
           ``write_busy_s`` (seconds the path spent reading or writing) and ``placement`` (subgroups
-          stored there).
+          stored there); then ``whole_leaf_subgroups[<leaf>]`` for each leaf kept whole.
         """
         flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, (Mapping, tuple))}
         for path in self.paths:
@@ -133,6 +138,8 @@ class UpdateStats(NamedTuple):
             flat[f"read_busy_s[{path}]"] = self.busy_s("read", path)
             flat[f"write_busy_s[{path}]"] = self.busy_s("write", path)
             flat[f"placement[{path}]"] = self.placement.get(path, 0)
+        for leaf, subgroup in self.whole_leaf_subgroups.items():
+            flat[f"whole_leaf_subgroups[{leaf}]"] = subgroup
         return flat
 
     def summary(self) -> str:

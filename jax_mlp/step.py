@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +33,8 @@ from jax_mlp.placement import BlockKey, LeafPlacement
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
 from jax_mlp.storage.cache import HostCache
-from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.capacity import check_capacity
+from jax_mlp.storage.paths import PathStore, release_paths
 from jax_mlp.storage.probe import starting_speed
 from jax_mlp.storage.record import HEADER_SIZE, record_codec
 from jax_mlp.storage.tier_stack import Pin, TierStack
@@ -47,11 +49,13 @@ class Blocks(NamedTuple):
       grad_of: a piece's gradient block (the whole leaf, or its shard).
       param_of: the same for params, or None when the update needs no params.
       device_of: where a subgroup's update runs.
+      uniform: what every subgroup is given alike (the shared state and the extra arguments).
     """
 
     grad_of: Callable[[Piece], jax.Array]
     param_of: Callable[[Piece], jax.Array] | None
     device_of: Callable[[Subgroup], jax.Device | None]
+    uniform: kernels.Uniform
 
 
 def _unchanged(fields: Any, device: jax.Device | None = None) -> Any:
@@ -129,6 +133,7 @@ class StateStream:
       paths: the opened storage paths.
       run_key: names this offloader alike in every process, for barriers.
       on_stats: called with each update's stats; its errors are logged, never raised.
+      init_notes: fields added to the stats of the init or restore (the optimizer check's).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class StateStream:
         *,
         run_key: str,
         on_stats: Callable[[UpdateStats], None] | None,
+        init_notes: Mapping[str, Any] = MappingProxyType({}),
     ):
         self.config = config
         self.plan = plan
@@ -158,9 +164,11 @@ class StateStream:
         )
         self.engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
         self.step = 0
+        self.shared: list[np.ndarray] = []  # the shared state leaves at ``step``, once the tiers hold it
         self.last_stats: UpdateStats | None = None
         self._run_key = run_key
         self._on_stats = on_stats
+        self._init_notes = init_notes
         self._prefetched: dict[int, Future] = {}
         self._total_compiles = 0
 
@@ -183,21 +191,35 @@ class StateStream:
         self._populate(step, load, lambda _, loaded: loaded)
 
     def resume_at(self, step: int, locations: dict[int, int]) -> None:
-        """Takes up the tiers at ``step``, complete on storage with each subgroup's record where ``locations`` says."""
+        """Takes up the tiers at ``step``, complete on storage with each subgroup's record where ``locations`` says.
+
+        The shared state is read from the first subgroup's record; that read counts towards no update.
+        """
         self.tiers.locations.update(locations)
         self.step = step
+        first = self.plan.subgroups[0]
+        self.shared = [np.array(x) for x in self.programs.shared_of(first, self.tiers.fetch(first.index, step)[0])]
+        self.counters.reset()
 
     def _populate(self, step: int, fetch: Callable[[int], Any], compute: Callable[[int, Any], tuple]) -> None:
         """Streams a whole state at ``step`` into the tiers through the pipeline.
 
         Records go out in the order of step ``step - 1``, so the cache keeps what step ``step``
-        updates first.
+        updates first. Before the first one, each path's free space is checked against its share.
         """
+        check_capacity(self.tiers.paths, self.scheduler.record_bytes, self.scheduler.placement)
         compiles = compiles_on_this_thread()
         self.step = step  # the cache and idle-time prefetch started by _finish work at this step
         order = self.scheduler.order(step - 1)
-        timings = self.engine.run(order, fetch, compute, lambda k, out: self._store(k, out, step))
-        self._finish(step, timings, compiles_on_this_thread() - compiles)
+
+        def compute_noting_shared(index: int, fetched: Any) -> tuple:
+            computed = compute(index, fetched)
+            if index == order[0]:  # every subgroup holds the shared state alike
+                self.shared = [np.array(x) for x in self.programs.shared_of(self.plan.subgroups[index], computed[0])]
+            return computed
+
+        timings = self.engine.run(order, fetch, compute_noting_shared, lambda k, out: self._store(k, out, step))
+        self._finish(step, timings, compiles_on_this_thread() - compiles, notes=self._init_notes)
         self.engine.wait_background()
 
     # ----------------------------------------------------------------------------- one update
@@ -263,7 +285,8 @@ class StateStream:
             grads = [blocks.grad_of(p) for p in subgroup.pieces]
             params = None if blocks.param_of is None else [blocks.param_of(p) for p in subgroup.pieces]
             accumulators = updates.accumulators_for(subgroup, device)
-            out = self.programs.update(subgroup, device, grads, params, route.enter(fetched, device), accumulators)
+            fields, uniform = route.enter(fetched, device), blocks.uniform.to(device)
+            out = self.programs.update(subgroup, device, grads, params, fields, accumulators, uniform)
             updates.take(subgroup, out.outputs)
             self.counters.event("compute", None, index, started)
             return route.leave((out.state_leaves, out.master_leaves))
@@ -294,11 +317,21 @@ class StateStream:
 
     # ----------------------------------------------------------------------------- between updates
 
-    def _finish(self, step: int, timings: Timings, compiles: int, extra_wait: float = 0.0) -> None:
-        """Closes a step's accounting, then starts the idle-time I/O that overlaps the user's next forward pass."""
+    def _finish(
+        self,
+        step: int,
+        timings: Timings,
+        compiles: int,
+        extra_wait: float = 0.0,
+        notes: Mapping[str, Any] = MappingProxyType({}),
+    ) -> None:
+        """Closes a step's accounting, then starts the idle-time I/O that overlaps the user's next forward pass.
+
+        ``notes`` are further fields of its stats (those of the optimizer check, for an init).
+        """
         self._total_compiles += compiles
         self.scheduler.observe([path.traffic.take_usage() for path in self.tiers.paths])
-        self.last_stats = update_stats(
+        stats = update_stats(
             step,
             timings,
             extra_wait,
@@ -309,6 +342,7 @@ class StateStream:
             [path.root for path in self.tiers.paths],
             self.scheduler.speeds,
         )
+        self.last_stats = stats._replace(**notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update
         if self.config.flush == "idle":
             self._write_back_dirty()
@@ -354,10 +388,13 @@ class StateStream:
         return self.tiers.pin(self.step, self.config.io_timeout)
 
     def close(self, *, delete: bool) -> None:
-        """Stops the threads, empties the cache and, if ``delete``, removes the files (no flush)."""
-        self.engine.settle(self._prefetched.values())
-        self.engine.close()
-        self.tiers.cache.clear()
-        if delete:
-            for path in self.tiers.paths:
-                path.remove()
+        """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
+        try:
+            self.engine.settle(self._prefetched.values())
+            self.engine.close()
+            self.tiers.cache.clear()
+            if delete:
+                for path in self.tiers.paths:
+                    path.remove()
+        finally:
+            release_paths(self.tiers.paths)

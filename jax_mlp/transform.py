@@ -1,8 +1,9 @@
 """``mlp_offload``: the optax face of the offloaded optimizer.
 
 Options in, an ``optax.GradientTransformationExtraArgs`` out. The user holds only
-:class:`~jax_mlp.offloader.OffloadState`, a step counter; the :class:`~jax_mlp.offloader.Offloader`
-behind the transformation keeps the inner optimizer's state in the tiers.
+:class:`~jax_mlp.offloader.OffloadState`, a step counter and the shared state; the
+:class:`~jax_mlp.offloader.Offloader` behind the transformation keeps the inner optimizer's state in
+the tiers.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def mlp_offload(
 
     Args:
       inner: the optimizer whose state is offloaded, e.g. ``optax.adamw(1e-3)``. It must act leaf by
-        leaf (adam, adamw, lion, sgd, rmsprop, ...); adafactor is exact on leaves that are not split.
+        leaf (adam, adamw, lion, sgd, rmsprop, ...): ``init`` checks it, and raises
+        :class:`~jax_mlp.CoupledOptimizerError` for one that reads across leaves. Leaves whose rows
+        it mixes (adafactor, lamb, lars, muon) are never split.
       resume: reopen the tiers at their last complete step instead of writing a fresh initial state.
       on_stats: called with the :class:`UpdateStats` of each update and of a fresh (not resumed) init,
         e.g. to log them; an exception it raises is logged, never raised.

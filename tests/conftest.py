@@ -1,8 +1,10 @@
-"""Shared helpers: the mixed test tree, reference optax runs and comparisons of bits."""
+"""Shared helpers: the mixed test tree, reference optax runs, comparisons of bits, and a real tmpfs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 
 # Nine fake CPU devices: the sharding tests use the first eight as a 2x4 mesh, and the in-jit route
 # runs the update on the ninth while the mesh's devices wait in their callbacks. That route also needs
@@ -135,3 +137,18 @@ def assert_same_bits(a, b, message: str = "") -> None:
 def paths(tmp_path):
     """Three fresh, distinct directories to use as storage paths."""
     return [tmp_path / "nvme", tmp_path / "pfs", tmp_path / "third"]
+
+
+@contextlib.contextmanager
+def tmpfs(directory, size):
+    """A real tmpfs of ``size`` at ``directory``; skips the test where mounting is not allowed."""
+    directory.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)

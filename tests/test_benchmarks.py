@@ -83,3 +83,16 @@ def test_efficiency_benchmark_writes_json_and_png(tmp_path):
     assert all(split["bytes_read"] == 0 for split in cached["offload_splits"])  # the cache serves every read
     assert written["checksum"]["used_bytes_per_s"] > 0 and not written["larger_than_ram"]["run"]
     assert (tmp_path / "efficiency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_check_cost_benchmark_writes_json(tmp_path):
+    check_cost = load(ROOT / "benchmarks" / "check_cost.py")
+    result = check_cost.main(
+        ["--layers", "2", "--width", "8", "--vocab", "16", "--repeats", "1", "--out", str(tmp_path)]
+    )
+    written = json.loads((tmp_path / "check_cost.json").read_text())
+    assert written == json.loads(json.dumps(result)) and written["leaves"] == 2 * 11 + 3
+    rows = {row["optimizer"]: row for row in written["rows"]}
+    assert set(rows) == set(check_cost.OPTIMIZERS) and all(row["check_s"] > 0 for row in rows.values())
+    assert rows["adamw"]["whole_leaves"] == 0 and rows["lamb"]["whole_leaves"] == written["leaves"]
+    assert rows["chain(clip_by_global_norm, adam)"]["refused"] == "CoupledOptimizerError"

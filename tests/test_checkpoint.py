@@ -265,6 +265,7 @@ MEMORY = textwrap.dedent(
     """
     import json, sys
     import jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_mlp
     sys.path.insert(0, sys.argv[2])
     from rss import PeakRise
@@ -277,6 +278,10 @@ MEMORY = textwrap.dedent(
     root = sys.argv[1]
     n = 64 * 1024**2  # 64M float32 params: 256 MiB; adam state: 512 MiB
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32), "b": jnp.zeros((1024,), jnp.float32)}
+    if sys.argv[3] == "sharded":  # FSDP over 4 devices of a 2x4 mesh, replicated over 2; "b" replicated on all 8
+        mesh = jax.make_mesh((2, 4), ("replica", "fsdp"), devices=jax.devices()[:8])
+        params = {"w": jax.device_put(params["w"], NamedSharding(mesh, P("fsdp"))),
+                  "b": jax.device_put(params["b"], NamedSharding(mesh, P()))}
     options = {"host_cache": "32MiB", "subgroup_size": "8MiB"}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[f"{root}/tier"], **options)
     state = tx.init(params)
@@ -294,11 +299,13 @@ MEMORY = textwrap.dedent(
     save_rise, _ = rise(save)
     tx.close(delete=True)
     fresh = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[f"{root}/other"], **options)
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
     restore_rise, restored = rise(
         lambda: manager.restore(2, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(fresh, like)))
     )
     assert int(restored["opt_state"].step) == 2
+    pieces = [p for sg in fresh.offloader.plan.subgroups for p in sg.pieces]
+    assert any(p.shard is not None for p in pieces) == (sys.argv[3] == "sharded")
     print(json.dumps({"updates": updates, "save": save_rise, "restore": restore_rise,
                       "state_bytes": fresh.offloader.plan.state_nbytes}))
     fresh.close(delete=True)
@@ -306,9 +313,11 @@ MEMORY = textwrap.dedent(
 )
 
 
-def test_peak_memory_of_save_and_restore_stays_within_the_bound_of_update(tmp_path):
+@pytest.mark.parametrize("placement", ["one_device", "sharded"])
+def test_peak_memory_of_save_and_restore_stays_within_the_bound_of_update(tmp_path, placement):
+    """On one device, and sharded on a 2x4 mesh of fake devices (which conftest gives the child too)."""
     result = subprocess.run(
-        [sys.executable, "-c", MEMORY, str(tmp_path), str(Path(__file__).parent)],
+        [sys.executable, "-c", MEMORY, str(tmp_path), str(Path(__file__).parent), placement],
         capture_output=True,
         text=True,
         timeout=600,

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, assert_same_bits, make_params, max_relative_deviation, train
+from conftest import abstract, assert_same_bits, make_params, max_relative_deviation, tmpfs, train
 
 import jax_mlp
+from jax_mlp.storage import capacity
 from jax_mlp.storage.paths import PathStore
 from jax_mlp.storage.record import HEADER_SIZE, verify
 
@@ -66,21 +67,6 @@ def resume_and_finish(paths, steps_done, reference):
     params, _ = train(tx, params, state, range(steps_done, 8))
     tx.close()
     return params
-
-
-@contextlib.contextmanager
-def tmpfs(directory, size):
-    """A real tmpfs of ``size`` at ``directory``; skips the test where mounting is not allowed."""
-    directory.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}); the injected variants still run")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
 def fill(directory):
@@ -266,15 +252,82 @@ def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference
     assert_same_bits(resume_and_finish([paths[0]], 2, reference), reference[8])
 
 
-def test_an_init_that_failed_on_a_full_disk_can_be_retried_with_another_tree(tmp_path):
+def files_under(directory):
+    """Every file below ``directory`` with its size, by relative name."""
+    return {str(f.relative_to(directory)): f.stat().st_size for f in directory.rglob("*") if f.is_file()}
+
+
+def test_a_path_without_room_for_two_slots_of_its_share_is_refused_at_init_with_nothing_written(tmp_path):
+    """One slot of the state fits on the tmpfs, two do not: without the check, the first update would
+    fill it mid-run. The error comes at init instead, and a second path taking half the share is the remedy."""
+    params = {"w": jnp.ones((256, 256), jnp.float32)}  # 512 KiB of adam state in 8 records of 64 KiB
+    with tmpfs(tmp_path / "nvme", "1m") as nvme:
+        tx = jax_mlp.mlp_offload(INNER, paths=[nvme], subgroup_size="64KiB")
+        with pytest.raises(jax_mlp.PathError) as refused:
+            tx.init(params)
+        # 8 slots of 64 KiB + 64 B records: 68 KiB of chunk files and 3 blocks of metadata each, twice, + 5%.
+        need = 2 * 8 * (69632 + 3 * 4096) * 1.05
+        message = re.fullmatch(
+            rf"path {nvme} has ([\d.]+) KiB free, but its share of 8 records needs {need / 2**20:.1f} MiB: two "
+            r"slots of each record plus 5% headroom; free space there, give another path .*, or give this path a "
+            r"smaller share: declare a lower read_bandwidth and write_bandwidth for it with jax_mlp\.Path",
+            str(refused.value),
+        )
+        assert message, str(refused.value)
+        assert float(message.group(1)) == 1020  # 1 MiB less the holder file of this writer
+        assert 8 * 69632 < shutil.disk_usage(nvme).total < need, "one slot fits, two do not"
+        assert files_under(nvme) == {"proc0000/writer.lock": 0}, "no record, no run.json, no holder: the lock let go"
+        assert shutil.disk_usage(nvme).used == 0
+        # Given a second path, this one's share halves and fits: the same path is free to take.
+        shared = jax_mlp.mlp_offload(
+            INNER, paths=[nvme, tmp_path / "pfs"], subgroup_size="64KiB", placement="round_robin"
+        )
+        _, state = train(shared, params, shared.init(params), range(2))
+        assert int(state.step) == 2
+        shared.close()
+
+
+def disk_bytes(directory):
+    """What ``directory`` takes on its file system, files and directories alike, as ``du`` counts it."""
+    return sum(entry.lstat().st_blocks * 512 for entry in [directory, *directory.rglob("*")])
+
+
+def test_the_needed_room_bounds_what_a_path_then_holds(tmp_path):
+    """The figure is close to the truth: once updates have filled both slots, the path's run directory
+    takes at most what the check asked for, and no less than that without its headroom."""
+    tx, params, state = start([tmp_path / "nvme"], host_cache=0)
+    record_bytes = tx.offloader.stream.scheduler.record_bytes
+    train(tx, params, state, range(2))
+    tx.flush()
+    used, need = disk_bytes(tmp_path / "nvme" / "proc0000"), capacity.need(record_bytes)
+    print(f"{len(record_bytes)} records: {used} bytes on disk, {need} asked for by the check")
+    assert need / (1 + capacity.HEADROOM) * 0.95 <= used <= need
+    tx.close()
+
+
+def test_paths_on_one_file_system_share_its_free_space(tmp_path):
+    """Each half of the share fits on the tmpfs, but not both: the error names both paths."""
+    params = {"w": jnp.ones((256, 256), jnp.float32)}
+    with tmpfs(tmp_path / "nvme", "1m") as nvme:
+        tx = jax_mlp.mlp_offload(INNER, paths=[nvme / "a", nvme / "b"], subgroup_size="64KiB", placement="round_robin")
+        with pytest.raises(
+            jax_mlp.PathError,
+            match=rf"paths {nvme}/a: 672\.0 KiB for 4 records, {nvme}/b: 672\.0 KiB for 4 records share one file "
+            r"system, which has 1016\.0 KiB free, but they need 1\.3 MiB: two slots .* or give one of them a smaller share",
+        ):
+            tx.init(params)
+
+
+def test_an_init_refused_for_room_can_be_retried_with_another_tree(tmp_path):
     """A failed init keeps nothing of its plan: retried with other params, the offload trains those exactly."""
     inner = optax.adam(1e-2)
     with tmpfs(tmp_path / "nvme", "1m") as nvme:
         tx = jax_mlp.mlp_offload(inner, paths=[nvme], subgroup_size="64KiB")
         too_big = {"w": jnp.ones((512, 256), jnp.float32)}  # 1 MiB of adam state: more than the tmpfs holds
-        with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is full"):
+        with pytest.raises(
+            jax_mlp.PathError, match=rf"path {nvme} has 1020\.0 KiB free, but its share of 16 records needs 2\.6 MiB"
+        ):
             tx.init(too_big)
-        shutil.rmtree(nvme / "proc0000")  # the user frees the space
         params = make_params()
         params, _ = train(tx, params, tx.init(params), range(3))
         tx.close()

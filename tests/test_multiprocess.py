@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,55 +16,68 @@ import time
 import jax
 import numpy as np
 import optax
-from conftest import grads_at, make_params
+import orbax.checkpoint as ocp
+from conftest import grads_at, make_params, train
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_mlp
 
 TOLERANCE = 1e-5
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 CHILD = textwrap.dedent(
     """
-    import os, sys
+    import json, os, sys
     sys.path.insert(0, sys.argv[5])
     import jax, numpy as np
     # jax.distributed ends a process whose peer died once its heartbeat times out: keep that above
     # peer_timeout, so that mlp_offload's error, which names the cause, comes first.
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]), heartbeat_timeout_seconds=30)
-    import optax, jax_mlp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import optax, orbax.checkpoint as ocp, jax_mlp
+    from jax.sharding import Mesh, NamedSharding
     from conftest import grads_at, make_params
+    from test_multiprocess import spec_of
 
     # The first 4 devices of each process; in "jit" mode each has a fifth, for the in-jit update.
     mesh = Mesh(np.array([sorted(jax.local_devices(process_index=p), key=lambda d: d.id)[:4] for p in range(2)]),
                 ("proc", "local"))
-
-    def spec(path, x):
-        name = jax.tree_util.keystr(path)
-        if "big" in name:
-            return P(("proc", "local"))    # FSDP over all 8 devices
-        if "embed" in name or "w2" in name:
-            return P("proc")               # split between processes, replicated inside each
-        if "w1" in name:
-            return P(None, "local")        # split inside each process, replicated across them
-        return P()
-
     full = jax.tree.map(np.asarray, make_params())
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec(path, x)), lambda i: x[i]),
+        lambda path, x: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec_of(path)), lambda i: x[i]),
         full,
     )
     me, mode = jax.process_index(), sys.argv[4]
     paths = [os.path.join(sys.argv[3], f"nvme{me}"), os.path.join(sys.argv[3], "pfs")]
     if mode == "die":  # slow paths, so that a kill lands in the middle of an update
         paths = [jax_mlp.Path(p, max_read="200KB/s", max_write="200KB/s") for p in paths]
-    tx = jax_mlp.mlp_offload(optax.adamw(1e-2, weight_decay=0.1), paths=paths, subgroup_size="16KiB",
-                             peer_timeout=10, resume=mode == "resume")
-    state = tx.init(params)
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    manager = ocp.CheckpointManager(os.path.join(sys.argv[3], "ckpt"))
+    if mode == "restore":  # the checkpoint of step 4, into other paths and another subgroup size
+        tx = jax_mlp.mlp_offload(inner, paths=[os.path.join(sys.argv[3], f"new{me}")], subgroup_size="8KiB",
+                                 peer_timeout=10)
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        restored = manager.restore(4, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)))
+        params, state = restored["params"], restored["opt_state"]
+    else:
+        tx = jax_mlp.mlp_offload(inner, paths=paths, subgroup_size="16KiB", peer_timeout=10, resume=mode == "resume")
+        state = tx.init(params)
     print(f"init at {int(state.step)}", flush=True)
+    written = []  # the regions a save writes, by standard-layout leaf: each element once over both processes
+    region_of = jax_mlp.checkpoint._region_of
+    jax_mlp.checkpoint._region_of = lambda array, region: written.append(region[:2]) or region_of(array, region)
     update = jax.jit(tx.update) if mode == "jit" else tx.update
     for step in range(int(state.step), 10):
+        if mode == "save" and step == 4:  # saved in the background while training goes on
+            manager.save(4, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx)))
         print(f"update {step}", flush=True)
         updates, state = update(grads_at(params, step), state, params)
         params = optax.apply_updates(params, updates)
+    manager.close()
+    if mode == "save":
+        print("written", json.dumps(written), flush=True)
     tx.close()
     shards = {}
     for leaf_index, leaf in enumerate(jax.tree.leaves(params)):
@@ -73,6 +89,18 @@ CHILD = textwrap.dedent(
     print("done", flush=True)
     """
 )
+
+
+def spec_of(path) -> P:
+    """The children's sharding of each leaf, on a mesh of axes ("proc", "local")."""
+    name = jax.tree_util.keystr(path)
+    if "big" in name:
+        return P(("proc", "local"))  # FSDP over all 8 devices
+    if "embed" in name or "w2" in name:
+        return P("proc")  # split between processes, replicated inside each
+    if "w1" in name:
+        return P(None, "local")  # split inside each process, replicated across them
+    return P()
 
 
 def launch(tmp_path, mode: str) -> list[subprocess.Popen]:
@@ -167,3 +195,39 @@ def test_a_peer_killed_during_update_makes_the_survivor_fail_clearly(tmp_path):
     outputs = finish(launch(tmp_path, "resume"))
     assert all("init at 3" in out for out in outputs), outputs
     assert_matches_single_process_optax(tmp_path, restart_at=3)
+
+
+def test_two_processes_save_a_sharded_checkpoint_that_restores_in_two_processes_and_in_one(tmp_path):
+    """Saved at step 4 beside training by two processes; restored into two, and into one on a 1x8 mesh."""
+    outputs = finish(launch(tmp_path, "save"))
+    assert_matches_single_process_optax(tmp_path)
+    layout = jax.tree.leaves(jax_mlp.standard_layout(optax.adamw(1e-2, weight_decay=0.1), make_params()))
+    elements = [[0] * len(layout) for _ in outputs]
+    for me, out in enumerate(outputs):
+        for leaf, box in json.loads(re.search(r"^written (.*)$", out, re.MULTILINE).group(1)):
+            elements[me][leaf] += math.prod(layout[leaf].shape if box is None else [b - a for a, b in box])
+    print("elements each process wrote into the checkpoint:", elements)
+    assert [a + b for a, b in zip(*elements, strict=True)] == [math.prod(x.shape) for x in layout], "not once"
+    assert 0 < sum(elements[1]) < sum(elements[0]), "process 0 writes the replicas both hold and the shared leaves"
+    outputs = finish(launch(tmp_path, "restore"))
+    assert all("init at 4" in out for out in outputs), outputs
+    assert_matches_single_process_optax(tmp_path)
+
+    mesh = jax.make_mesh((1, 8), ("proc", "local"), devices=jax.devices()[:8])
+    like = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec_of(path))),
+        make_params(),
+    )
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "one"], subgroup_size="12KiB")
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        restored = manager.restore(
+            4,
+            args=ocp.args.Composite(params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)),
+        )
+    assert any(p.shard is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
+    params, _ = train(tx, restored["params"], restored["opt_state"], range(4, 10))
+    tx.close()
+    for got, want in zip(jax.tree.leaves(params), single_process_optax(None), strict=True):
+        scale = max(float(np.max(np.abs(want))), 1e-30)
+        assert float(np.max(np.abs(np.asarray(got) - want))) / scale <= TOLERANCE

@@ -12,12 +12,14 @@ import time
 
 import optax
 import pytest
-from conftest import assert_same_bits, grads_at, make_params, run_offload
+from conftest import assert_same_bits, grads_at, make_params, run_offload, tmpfs
 
 import jax_mlp
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
 from jax_mlp.scheduler import Scheduler, weighted_interleave
+from jax_mlp.stats import format_bytes
+from jax_mlp.storage import capacity
 from jax_mlp.storage.probe import probe
 from jax_mlp.storage.record import HEADER_SIZE
 from jax_mlp.storage.traffic import Traffic, Usage
@@ -251,6 +253,40 @@ def test_plan_and_probe_commands(tmp_path, capsys):
     assert cli.main(["plan", "--params", "1e9", "--paths", "nvme"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("jax-mlp plan: error:") and "NAME=RATE" in error and len(error.splitlines()) == 1
+
+
+def test_probe_and_plan_print_the_room_each_path_needs_against_its_free_space(tmp_path, capsys):
+    from jax_mlp import cli
+
+    with tmpfs(tmp_path / "small", "4m") as small:
+        assert (
+            cli.main(
+                [
+                    "probe",
+                    str(small),
+                    "--size",
+                    "1MiB",
+                    "--record",
+                    "256KiB",
+                    "--state",
+                    "3MiB",
+                    "--subgroup-size",
+                    "256KiB",
+                ]
+            )
+            == 0
+        )
+        out = capsys.readouterr().out
+        records = [HEADER_SIZE + 256 * 1024] * 12  # 3 MiB in subgroups of 256 KiB, all on the one path
+        need = capacity.need(records)
+        assert need > 4 * 2**20
+        row = next(line for line in out.splitlines() if line.startswith(str(small)))
+        assert row.split()[-5:] == ["4.0", "MiB", *format_bytes(need).split(), "(short)"], out
+        # The same figure in the model, and the free space of a NAME that is a directory here.
+        args = ["--params", f"{3 * 2**20 / 8}", "--paths", f"{small}=1GB/s", "--subgroup-size", "256KiB"]
+        assert cli.main(["plan", *args]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(str(small)))
+        assert row.split()[-5:] == [*format_bytes(need).split(), "4.0", "MiB", "(short)"], row
 
 
 def test_stats_carry_bandwidth_estimates_that_respect_the_caps(paths):

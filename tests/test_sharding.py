@@ -123,12 +123,3 @@ def test_grads_with_another_sharding_are_resharded_not_refused(tmp_path):
     expected, _ = inner.update(grads_at(params, 0), inner.init(params), params)
     assert max(max_relative_deviation(updates, expected).values()) <= TOLERANCE
     tx.close()
-
-
-def test_checkpoints_of_sharded_state_are_refused_clearly(tmp_path):
-    params = sharded_params(mesh_2x4())
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path / "tiers", master_dtype="float32")
-    tx.init(params)
-    with pytest.raises(jax_mlp.OffloadError, match=r"param \['big'\] is sharded.*resume=True"):
-        jax_mlp.restore_params(tx, params)
-    tx.close()

@@ -1,8 +1,9 @@
 """Storage paths: records as zarr3 arrays in a local directory (:class:`PathStore`) or any tensorstore kvstore.
 
 Each process keeps its records in ``proc{process_index}`` of a path, with the run's identity in
-``run.json`` beside them. Every method blocks and is meant for the engine's I/O threads; every
-error names the path and says what to do.
+``run.json`` beside them. A writer holds that directory (:meth:`PathStore.hold`, see
+:mod:`~jax_mlp.storage.ownership`) from ``init`` to ``close``. Every method blocks and is meant for
+the engine's I/O threads; every error names the path and says what to do.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ import tensorstore as ts
 from jax_mlp.config import Path
 from jax_mlp.errors import PathError, RecordError
 from jax_mlp.storage.chunk_files import CHUNK_REQUESTS, ChunkFiles, allows_direct_io
+from jax_mlp.storage.ownership import RunLock
 from jax_mlp.storage.record import chunk_bytes, read_header, record_name, verify
 from jax_mlp.storage.traffic import Traffic
 
@@ -61,6 +64,9 @@ class PathStore:
     at a time, on a pool of this path's own.
     """
 
+    is_local = True  # a directory of this machine's file systems: locked, and its free space checked
+    _run_lock: RunLock | None = None
+
     def __init__(self, root: str, process_index: int = 0, traffic: Traffic | None = None):
         self.root = root
         self.directory = os.path.join(root, f"proc{process_index:04d}")
@@ -79,7 +85,7 @@ class PathStore:
     def _ensure_writable(self) -> None:
         try:
             os.makedirs(self.directory, exist_ok=True)
-            probe = os.path.join(self.directory, ".write_probe")
+            probe = os.path.join(self.directory, f".write_probe.{os.getpid()}.{threading.get_ident()}")
             with open(probe, "wb") as f:
                 f.write(b"0")
             self._direct = allows_direct_io(probe)
@@ -92,6 +98,26 @@ class PathStore:
             raise PathError(
                 f"path {self.root} cannot be created or used ({error.strerror}); create it or give another path"
             ) from error
+
+    def hold(self) -> None:
+        """Holds this process's run directory for this writer until :meth:`release`.
+
+        Raises:
+          PathInUseError: another writer holds it (the message names its pid and host).
+          PathError: the lock file cannot be created.
+        """
+        lock = RunLock(self.directory, self.root)
+        try:
+            lock.acquire()
+        except OSError as error:
+            raise PathError(f"locking {lock.lock_file}: {describe_os_error(self.root, error)}") from error
+        self._run_lock = lock
+
+    def release(self) -> None:
+        """Lets go of the run directory (after ``close``, or a failed ``init``); does nothing if not held."""
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
 
     def _record_kvstore(self, name: str) -> dict:
         return {"driver": "file", "path": os.path.join(self.directory, name)}
@@ -238,7 +264,10 @@ class KvStorePath(PathStore):
 
     Records live under ``<spec path>proc{process_index}/``; the run file is a key there. A spec
     is opened in one tensorstore context, so a ``memory`` store lives as long as this object.
+    A kvstore has no file lock and no free-space figure: it is neither held nor checked.
     """
+
+    is_local = False
 
     def __init__(self, spec: dict, process_index: int = 0, traffic: Traffic | None = None):
         self.traffic = traffic or Traffic()
@@ -264,6 +293,9 @@ class KvStorePath(PathStore):
             self._kvstore.delete_range(ts.KvStore.KeyRange(".write_probe", ".write_probe\0")).result()
         except Exception as error:
             raise PathError(f"writing {self.directory}: {describe_os_error(self.root, error)}") from error
+
+    def hold(self) -> None:
+        pass  # object stores have no lock that the OS releases when its holder dies
 
     def _record_kvstore(self, name: str) -> dict:
         return {**self._base, "path": f"{self._prefix}{name}/"}
@@ -315,3 +347,38 @@ def open_path(path: Path, process_index: int = 0, *, max_inflight: int = 4, node
     if isinstance(path.location, dict):
         return KvStorePath(path.location, process_index, traffic)
     return PathStore(path.location, process_index, traffic)
+
+
+def open_paths(
+    paths: Sequence[Path], process_index: int = 0, *, max_inflight: int = 4, node_lock: str | None = None
+) -> list[PathStore]:
+    """Opens every configured path and holds its run directory for this writer.
+
+    Args:
+      paths: the configured paths.
+      process_index: this process's index.
+      max_inflight: transfers in flight at once on each path.
+      node_lock: a node-local directory for cross-process path locks, or None for no lock.
+
+    Returns:
+      The stores, each held until its :meth:`~PathStore.release`.
+
+    Raises:
+      PathInUseError: a path's run directory is held by another writer; the paths held so far are released.
+      PathError: a path cannot be opened; the paths held so far are released.
+    """
+    opened: list[PathStore] = []
+    try:
+        for path in paths:
+            opened.append(open_path(path, process_index, max_inflight=max_inflight, node_lock=node_lock))
+            opened[-1].hold()
+    except BaseException:
+        release_paths(opened)
+        raise
+    return opened
+
+
+def release_paths(paths: Sequence[PathStore]) -> None:
+    """Lets go of every path's run directory (see :func:`open_paths`)."""
+    for path in paths:
+        path.release()
