@@ -11,6 +11,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+import optax
+
+import jax_mlp
+
 
 def add_offload_arguments(parser: argparse.ArgumentParser, *, steps: int, host_cache: str, subgroup_size: str) -> None:
     """Adds ``--steps``, ``--paths``, ``--host-cache`` and ``--subgroup-size`` with these defaults."""
@@ -24,6 +28,22 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, steps: int, host_c
     )
     parser.add_argument("--host-cache", default=host_cache, help="host RAM that may hold state records between updates")
     parser.add_argument("--subgroup-size", default=subgroup_size, help="bytes of optimizer state streamed at a time")
+
+
+def add_state_codec_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--state-codec {none,bf16,int8}``: how the optimizer state is kept between steps."""
+    parser.add_argument(
+        "--state-codec",
+        choices=("none", *jax_mlp.quantized.CODECS),
+        default="none",
+        help="keep the optimizer's moments in bf16 or blockwise int8 (jax_mlp.quantized_state): 2x or 4x fewer "
+        "bytes offloaded; none keeps them exact",
+    )
+
+
+def with_state_codec(inner: optax.GradientTransformation, codec: str) -> optax.GradientTransformation:
+    """``inner`` itself for ``"none"``, else ``jax_mlp.quantized_state(inner, codec)``."""
+    return inner if codec == "none" else jax_mlp.quantized_state(inner, codec)
 
 
 @contextlib.contextmanager

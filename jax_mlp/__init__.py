@@ -7,6 +7,7 @@ from jax_mlp.checkpoint import OffloadCheckpointHandler, OffloadRestore, Offload
 from jax_mlp.config import OffloadConfig, Path, parse_rate, parse_size
 from jax_mlp.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
 from jax_mlp.offloader import Offloader, OffloadState
+from jax_mlp.quantized import QuantizedState, quantized_state
 from jax_mlp.stats import UpdateStats
 from jax_mlp.transform import OffloadTransformation, mlp_offload
 
@@ -24,11 +25,13 @@ __all__ = [
     "PathError",
     "PathInUseError",
     "PeerError",
+    "QuantizedState",
     "RecordError",
     "UpdateStats",
     "mlp_offload",
     "parse_rate",
     "parse_size",
+    "quantized_state",
     "restore_params",
     "standard_layout",
 ]

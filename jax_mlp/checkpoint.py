@@ -205,6 +205,22 @@ def _box_shape(box: Box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
+def _state_box(field_shape: tuple[int, ...], full: tuple[int, ...], param: partition.LeafSpec, box: Box | None):
+    """Where a state field of a block lies in its array: the param's box, or its rows of a per-row state.
+
+    A state shaped like its param takes the param's box. A state with other trailing axes, whose rows
+    are the param's rows (``quantized_state``'s codes and scales), takes the box's rows whole, as long
+    as the block is cut along rows only. Anything else keeps the box, and is refused by the caller.
+    """
+    if box is None or field_shape == _box_shape(box) or not full or full[0] != param.shape[0]:
+        return box
+    (start, stop), *rest = box
+    rows_only = tuple(rest) == tuple((0, n) for n in param.shape[1:])
+    if rows_only and field_shape == (stop - start, *full[1:]):
+        return ((start, stop), *((0, n) for n in full[1:]))
+    return box
+
+
 def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[_Region, ...]:
     """Maps each field of ``subgroup``'s record to its leaf and region in the standard layout."""
     owner = lookup.owner
@@ -215,7 +231,7 @@ def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[_Region, 
     for path, field in zip(state_paths, subgroup.layout.state_fields, strict=True):
         leaf = lookup.index[lookup.prefix + path]
         full = lookup.shapes[leaf]
-        box = box_of[owner[path]] if path in owner else None
+        box = _state_box(field.shape, full, plan.leaves[owner[path]], box_of[owner[path]]) if path in owner else None
         if field.shape != (full if box is None else _box_shape(box)):
             param = plan.leaves[owner[path]]
             raise OffloadError(

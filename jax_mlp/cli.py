@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from jax_mlp import model
+from jax_mlp import model, quantized
 from jax_mlp.config import Path, parse_rate, parse_size
 from jax_mlp.errors import OffloadError
 from jax_mlp.model import PathSpeed
@@ -164,7 +164,7 @@ def _free(name: str, need: int) -> str:
 def plan_command(args: argparse.Namespace) -> int:
     """``jax-mlp plan``: predicts the update time, split and traffic of a configuration."""
     speeds = _parse_paths(args.paths)
-    per_param = args.state_bytes_per_param + (4 if args.master else 0)
+    per_param = args.state_bytes_per_param * quantized.stored_fraction(args.state_codec) + (4 if args.master else 0)
     processes_per_node = args.processes_per_node
     state = args.params * per_param / (args.nodes * processes_per_node)
     record = parse_size(args.subgroup_size, name="--subgroup-size")
@@ -178,7 +178,7 @@ def plan_command(args: argparse.Namespace) -> int:
     )
     full = model.predict_variant(model.ABLATION[-1], speeds, **common)
     print(
-        f"{args.params:.3g} params, {per_param} B of offloaded state each: {_bytes(state)} per process, "
+        f"{args.params:.3g} params, {per_param:.3g} B of offloaded state each: {_bytes(state)} per process, "
         f"{processes_per_node} process(es) per node, host cache {_bytes(cache)} per process"
     )
     print(f"predicted update time: {_seconds(full.seconds)}\n")
@@ -247,7 +247,8 @@ COMMANDS: tuple[Command, ...] = (
             "free space, where NAME is a directory on this machine), and the gain of each mechanism.\n\n"
             "example:\n"
             "  jax-mlp plan --params 70e9 --paths nvme=5GB/s,pfs=2GB/s --host-cache 256GiB\n"
-            "  jax-mlp plan --params 7e9 --paths nvme=6GB/s:4GB/s --master --processes-per-node 8"
+            "  jax-mlp plan --params 7e9 --paths nvme=6GB/s:4GB/s --master --processes-per-node 8\n"
+            "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --master --state-codec int8"
         ),
         arguments=(
             argument("--params", type=float, required=True, help="parameters of the model, e.g. 70e9"),
@@ -260,9 +261,16 @@ COMMANDS: tuple[Command, ...] = (
             argument("--subgroup-size", default="256MiB", help="bytes per subgroup (default: %(default)s)"),
             argument(
                 "--state-bytes-per-param",
-                type=int,
+                type=float,
                 default=8,
                 help="offloaded optimizer state per param: 8 for adam's two fp32 moments (default: %(default)s)",
+            ),
+            argument(
+                "--state-codec",
+                choices=("none", *quantized.CODECS),
+                default="none",
+                help="the state as jax_mlp.quantized_state keeps it: bf16 halves it, int8 quarters it (plus a "
+                "4-byte scale per 256 values) (default: %(default)s)",
             ),
             argument("--master", action="store_true", help="also offload an fp32 master copy (4 B per param)"),
             argument("--nodes", type=int, default=1, help="nodes the state is sharded over (default: %(default)s)"),

@@ -216,6 +216,8 @@ class OffloadConfig:
     max_inflight: int = 4
     node_lock: bool | str | os.PathLike | None = False
     extra_args: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
+    accumulate_steps: int = 1
+    accumulator_dtype: Any = np.float32
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -235,6 +237,7 @@ class OffloadConfig:
             "master_dtype": None if self.master_dtype is None else np.dtype(self.master_dtype),
             "node_lock": os.fspath(node_lock) if node_lock else None,
             "extra_args": tuple(sorted((str(k), _shape_of(k, v)) for k, v in dict(self.extra_args).items())),
+            "accumulator_dtype": np.dtype(self.accumulator_dtype),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -268,6 +271,13 @@ class OffloadConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.master_dtype is not None and not jnp.issubdtype(self.master_dtype, jnp.floating):
             raise ValueError(f"master_dtype must be a floating dtype such as jnp.float32, got {self.master_dtype}")
+        steps = self.accumulate_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise ValueError(f"accumulate_steps must be a whole number of calls, at least 1, got {steps!r}")
+        if not jnp.issubdtype(self.accumulator_dtype, jnp.floating):
+            raise ValueError(
+                f"accumulator_dtype must be a floating dtype such as jnp.float32, got {self.accumulator_dtype}"
+            )
 
     @classmethod
     def create(cls, paths: Any, **options: Any) -> OffloadConfig:

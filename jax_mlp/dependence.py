@@ -205,6 +205,19 @@ def _bitcast_convert_type(eqn: Any, ins: Sequence[_Dep]) -> list[_Dep]:
     return [_moved(ins[0], lambda a: a if a < min(before, after) else None)]
 
 
+def _gather(eqn: Any, ins: Sequence[_Dep]) -> list[_Dep]:
+    """A lookup in a table that depends on no leaf (``table[codes]``, as int8 codecs decode): rows follow the codes.
+
+    Only the form whose output has the indices' batch axes, in order (no offset axes, the index vector
+    last), keeps the row axis; any other gather, or one from a leaf-dependent operand, mixes rows.
+    """
+    numbers = eqn.params["dimension_numbers"]
+    indices_rank = len(_shape(eqn.invars[1]))
+    if ins[0].leaves or numbers.offset_dims or numbers.operand_batching_dims:
+        return _conservative(eqn, ins)
+    return [_moved(ins[1], lambda a: a if a < indices_rank - 1 else None)]
+
+
 def _dot_general(eqn: Any, ins: Sequence[_Dep]) -> list[_Dep]:
     (contracting, batch) = eqn.params["dimension_numbers"]
     num_batch = len(batch[0])
@@ -262,6 +275,7 @@ _RULES: dict[str, Callable[[Any, Sequence[_Dep]], list[_Dep]]] = {
     "dynamic_update_slice": _dynamic_update_slice,
     "bitcast_convert_type": _bitcast_convert_type,
     "dot_general": _dot_general,
+    "gather": _gather,
 }
 
 # Primitives that call one jaxpr on their own inputs, one to one.

@@ -128,6 +128,10 @@ class Engine:
         """Runs ``fn(*args)`` on a writer thread after the current update (idle-time I/O)."""
         self._background.append(self._writers.submit(fn, *args))
 
+    def background_done(self) -> bool:
+        """Whether the background work has finished (its errors are raised by :meth:`wait_background`)."""
+        return all(future.done() for future in self._background)
+
     def wait_background(self) -> float:
         """Waits for background work; re-raises its first error. Returns the seconds waited."""
         start = time.perf_counter()

@@ -7,6 +7,7 @@ each update to its :class:`~jax_mlp.step.StateStream`: eagerly, or through the i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlp import dependence, inputs, partition, peers, resume
+from jax_mlp import accumulation, dependence, inputs, kernels, partition, peers, resume
 from jax_mlp.config import OffloadConfig, parse_rate
 from jax_mlp.errors import OffloadError
 from jax_mlp.in_jit import JitRoute
@@ -40,11 +41,21 @@ class OffloadState(NamedTuple):
     ``shared`` is the part of the inner state that every subgroup holds alike: ``inner.init`` of
     the params with ``None`` for every leaf (counts, injected hyperparameters; None before ``init``).
     Read it to log it; replace a value between updates (``state.hyperparams["learning_rate"] = 1e-4``)
-    and the next update gives it to every subgroup.
+    and the next update gives it to every subgroup. With ``accumulate_steps > 1`` it also carries the
+    accumulation window, on the device.
+
+    Attributes:
+      step: the updates applied so far (int32 scalar).
+      shared: the shared inner state (see above).
+      mini_step: the calls accumulated since the last update, or None without accumulation.
+      acc_grads: the running mean of those calls' gradients, a tree like the params in
+        ``accumulator_dtype``, or None without accumulation.
     """
 
     step: jax.Array
     shared: Any = None
+    mini_step: jax.Array | None = None
+    acc_grads: Any = None
 
     @property
     def hyperparams(self) -> dict[str, Any]:
@@ -177,6 +188,7 @@ class Offloader(ClosesOnExit):
 
     def _initialise(self, params: Any, populate: Callable[[_Live], None]) -> OffloadState:
         """Plans, opens the tiers, fills them with ``populate``, marks the paths."""
+        accumulation.refuse_multisteps()
         if inputs.is_traced(params):
             raise OffloadError(
                 "mlp_offload(...).init was called inside a jax transformation (jit, eval_shape, ...); call init "
@@ -224,7 +236,16 @@ class Offloader(ClosesOnExit):
             raise
         self._live = live
         shared = jax.tree_util.tree_unflatten(_treedef(stream), [jnp.asarray(x) for x in stream.shared])
-        return OffloadState(jnp.asarray(stream.step, jnp.int32), shared)
+        return self._state_at(jnp.asarray(stream.step, jnp.int32), shared, plan, leaves)
+
+    def _state_at(self, step: jax.Array, shared: Any, plan: Plan, params: list[Any]) -> OffloadState:
+        """The handle at ``step``, with an empty accumulation window when accumulating."""
+        if self.config.accumulate_steps == 1:
+            return OffloadState(step, shared)
+        window = accumulation.empty_window(params, self.config.accumulator_dtype)
+        return OffloadState(
+            step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
+        )
 
     def _resume(self, live: _Live) -> None:
         step, locations = resume.last_complete_step(
@@ -313,18 +334,76 @@ class Offloader(ClosesOnExit):
             same for every subgroup; a new combination is checked once (see :mod:`jax_mlp.dependence`).
 
         Called inside ``jax.jit``, it traces the in-jit route instead (see :mod:`jax_mlp.in_jit`).
+        With ``accumulate_steps=k``, only every k-th call streams, with the mean of the k calls' gradients.
         """
         live = self._check_state(state)
         grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
         extra = self._checked_extra(live.plan, extra_args)
-        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
-        new_shared = live.stream.programs.shared_update(
-            jax.tree_util.tree_unflatten(_treedef(live.stream), shared), extra
+        shared = jax.tree_util.tree_unflatten(
+            _treedef(live.stream), inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
         )
-        uniform = Uniform(tuple(shared), tuple(jax.tree_util.tree_leaves(new_shared)), extra)
-        if inputs.is_traced((grads, state, param_leaves, extra)):
-            leaves = live.jit.trace(grads, param_leaves, state.step, uniform)
-            return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), OffloadState(state.step + 1, new_shared)
+        traced = inputs.is_traced((grads, state, param_leaves, extra))
+        if traced:
+            accumulation.refuse_multisteps()
+        stream = functools.partial(self._stream, live, param_leaves=param_leaves, extra=extra, traced=traced)
+        if self.config.accumulate_steps > 1:
+            leaves, state = self._accumulate(live, grads, state, shared, stream, traced)
+        else:
+            leaves, step, shared = stream(grads, state.step, shared)
+            state = OffloadState(step, shared)
+        return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), state
+
+    def _accumulate(
+        self, live: _Live, grads: list, state: OffloadState, shared: Any, stream: Callable, traced: bool
+    ) -> tuple[list, OffloadState]:
+        """One call of an accumulation window: folds the grads in; the window's last call streams their mean.
+
+        Traced, the choice is a ``lax.cond``, so a micro-step never enters the host callback. The
+        shared state moves on only with the update, as the inner state does in ``optax.MultiSteps``.
+        """
+        config, plan = self.config, live.plan
+        window = accumulation.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
+        means, carried = accumulation.add(grads, window, config.accumulator_dtype)
+        full = window.mini_step >= config.accumulate_steps - 1
+        dtypes = tuple(kernels.update_dtype(plan, i) for i in range(len(plan.leaves)))
+        if traced:
+
+            def update() -> tuple[list, Any]:
+                leaves, _, new_shared = stream(means, state.step, shared)
+                return leaves, new_shared
+
+            leaves, shared = jax.lax.cond(full, update, lambda: (accumulation.zero_updates(grads, dtypes), shared))
+            step, window = state.step + full.astype(jnp.int32), accumulation.restart_where(full, carried)
+        elif not full:
+            live.stream.check_step(int(state.step))
+            live.stream.use_idle_window()
+            leaves, step, window = accumulation.zero_updates(grads, dtypes), state.step, carried
+        else:
+            leaves, step, shared = stream(means, state.step, shared)
+            window = accumulation.empty_window(carried.acc_grads, config.accumulator_dtype)
+        return leaves, OffloadState(
+            step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
+        )
+
+    def _stream(
+        self,
+        live: _Live,
+        grads: list,
+        step: jax.Array,
+        shared: Any,
+        *,
+        param_leaves: list | None,
+        extra: dict,
+        traced: bool,
+    ) -> tuple[list, jax.Array, Any]:
+        """One update from ``step``: the update leaves, the new step and the new shared state.
+
+        Eagerly, or by the in-jit route when traced.
+        """
+        new_shared = live.stream.programs.shared_update(shared, extra)
+        uniform = Uniform(tuple(jax.tree_util.tree_leaves(shared)), tuple(jax.tree_util.tree_leaves(new_shared)), extra)
+        if traced:
+            return live.jit.trace(grads, param_leaves, step, uniform), step + 1, new_shared
         placement = live.placement
         home = placement.home(grads)
         grad_blocks = placement.blocks(grads)
@@ -335,9 +414,8 @@ class Offloader(ClosesOnExit):
             lambda subgroup: placement.device_of(subgroup, home),
             uniform,
         )
-        results = live.stream.run_step(int(state.step), blocks, EAGER)
-        new_updates = jax.tree_util.tree_unflatten(live.plan.treedef, placement.assemble(live.plan, results))
-        return new_updates, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
+        results = live.stream.run_step(int(step), blocks, EAGER)
+        return placement.assemble(live.plan, results), jnp.asarray(live.stream.step, jnp.int32), new_shared
 
     def _checked_extra(self, plan: Plan, extra_args: dict[str, Any]) -> dict[str, jax.Array]:
         """The extra arguments as arrays; the optimizer is checked with each new combination of their shapes."""
@@ -356,6 +434,13 @@ class Offloader(ClosesOnExit):
         if self._live is None:
             raise OffloadError("mlp_offload.update was called before init")
         self._check_open()
+        accumulating = self.config.accumulate_steps > 1
+        if accumulating != (state.mini_step is not None and state.acc_grads is not None):
+            have = "has no accumulation window" if accumulating else "carries an accumulation window"
+            raise OffloadError(
+                f"this mlp_offload has accumulate_steps={self.config.accumulate_steps}, but the opt_state passed to "
+                f"update {have}: pass the OffloadState that this mlp_offload's init (or restore) returned"
+            )
         return self._live
 
 

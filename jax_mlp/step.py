@@ -347,7 +347,7 @@ class StateStream:
         if self.config.flush == "idle":
             self._write_back_dirty()
         if self.config.idle_prefetch:
-            self._prefetch_next()
+            self._prefetch_next(self.config.prefetch_depth)
         self._report(self.last_stats)
 
     def _report(self, stats: UpdateStats) -> None:
@@ -358,13 +358,28 @@ class StateStream:
         except Exception:  # a logging failure must not desynchronise the step from the tiers
             logger.exception("the on_stats callback of mlp_offload raised; training goes on")
 
-    def _prefetch_next(self) -> None:
-        """Starts reading the next update's first uncached records while forward and backward run."""
+    def _prefetch_next(self, depth: int) -> None:
+        """Starts reading the next update's first ``depth`` uncached records while forward and backward run."""
         for index in self.scheduler.order(self.step):
-            if len(self._prefetched) >= self.config.prefetch_depth:
+            if len(self._prefetched) >= depth:
                 return
-            if not self.tiers.cache.holds(index, self.step):
+            if index not in self._prefetched and not self.tiers.cache.holds(index, self.step):
                 self._prefetched[index] = self.engine.read_ahead(self.tiers.fetch, index, self.step)
+
+    def use_idle_window(self) -> None:
+        """A call that only accumulates gradients: the disks stay idle for the next update, so read further ahead.
+
+        The idle-time write-back and prefetch started by the last update run on through the whole
+        window. Once the write-back has drained, the writers' share of host memory is free until the
+        next update, so the read-ahead grows to ``prefetch_depth + write_depth`` records: the update
+        consumes them first, before its own stores fill that share again.
+        """
+        if not self.config.idle_prefetch:
+            return
+        depth = self.config.prefetch_depth
+        if self.engine.background_done():
+            depth += self.config.write_depth
+        self._prefetch_next(depth)
 
     @property
     def prefetched(self) -> tuple[int, ...]:

@@ -123,7 +123,7 @@ def as_bits(tree) -> list[np.ndarray]:
 
     def bits(x):
         x = np.asarray(x)
-        return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+        return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
 
     return [bits(x) for x in jax.tree.leaves(tree)]
 

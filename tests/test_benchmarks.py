@@ -96,3 +96,35 @@ def test_check_cost_benchmark_writes_json(tmp_path):
     assert set(rows) == set(check_cost.OPTIMIZERS) and all(row["check_s"] > 0 for row in rows.values())
     assert rows["adamw"]["whole_leaves"] == 0 and rows["lamb"]["whole_leaves"] == written["leaves"]
     assert rows["chain(clip_by_global_norm, adam)"]["refused"] == "CoupledOptimizerError"
+
+
+def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
+    bench = load(ROOT / "benchmarks" / "state_codecs.py")
+    result = bench.main(["--steps", "30", "--out", str(tmp_path / "codecs.json")])
+    assert json.loads((tmp_path / "codecs.json").read_text()) == result
+    assert set(result["nu_maps"]) == set(bench.NU_MAPS)
+    assert set(result["final_loss"]) == {"fp32", "bf16", "int8", "bf16 stochastic"}
+    ours = result["nu_maps"]["dynamic map of sqrt (quantized_state)"]
+    assert ours["nu_zeroed_share"] == 0 and ours["update_rel_l2_err"] < 0.05
+
+
+def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the update's path is a temporary directory here
+    checksum = load(ROOT / "benchmarks" / "checksum.py")
+    result = checksum.main(["--buffer", "1MiB", "--state", "2MiB", "--updates", "1", "--rounds", "1"])
+    assert {"zlib.crc32", "isal.isal_zlib.crc32"} <= set(result["gb_per_s"])
+    assert set(result["update_cpu_s"]) == {"zlib", "isal"} and result["update_cpu_ratio_isal_over_zlib"] > 0
+    from jax_mlp.storage import record
+
+    assert record.crc32 is checksum.isal_crc32, "the benchmark puts the checksum back"
+
+
+def test_accumulation_benchmark_writes_json(tmp_path):
+    accumulation = load(ROOT / "benchmarks" / "accumulation.py")
+    options = ["--state", "2MiB", "--subgroup-size", "256KiB", "--cap", "400MB/s", "--updates", "2", "--idle", "0"]
+    result = accumulation.main([*options, "--out", str(tmp_path), "--dir", str(tmp_path / "tiers")])
+    written = json.loads((tmp_path / "accumulation.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert written["same_bytes_per_update"] and written["update_time_ratio"] > 0
+    assert [len(written[run]["updates"]) for run in ("single", "accumulated")] == [2, 2]
+    assert written["accumulated"]["accumulate_steps"] == 4

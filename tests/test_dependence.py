@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+import jax_mlp
 from jax_mlp import partition
 from jax_mlp.dependence import REMEDY, CoupledOptimizerError, check_optimizer
 from jax_mlp.errors import OffloadError
@@ -273,3 +274,19 @@ def test_a_whole_leaf_cut_into_shards_is_refused_and_a_replicated_one_kept():
     assert [p for sg in plan.subgroups for p in sg.pieces if p.leaf == BIG] == [
         partition.Piece(BIG, None, replicated[0])
     ]
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_compressed_state_stays_row_wise_so_its_leaves_may_be_row_split(codec):
+    # int8 decodes through a lookup in a constant table (a gather): rows follow the codes.
+    wide = {"w": jax.ShapeDtypeStruct((8, 512), np.float32), "b": jax.ShapeDtypeStruct((512,), np.float32)}
+    check = check_optimizer(jax_mlp.quantized_state(optax.adam(1e-3), codec), wide, None)
+    assert check.whole_leaves == frozenset()
+
+
+def test_a_gather_that_reorders_rows_keeps_the_leaf_whole():
+    def reorder(updates, state, params=None):
+        return jax.tree.map(lambda u: u[jnp.argsort(u[:, 0])] if u.ndim == 2 else u, updates), state
+
+    check = check_optimizer(optax.GradientTransformation(lambda p: optax.EmptyState(), reorder), TREE, None)
+    assert check.whole_leaves >= MATRICES

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
+
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # the examples import their shared options module, as when run as scripts
 
@@ -44,6 +46,23 @@ def test_train_gpt_learns_logs_every_update_and_matches_plain_optax(tmp_path):
     assert [line["step"] for line in lines] == list(range(steps + 1))
     assert lines[-1]["bytes_read[" + str(tmp_path / "a") + "]"] == stats[f"bytes_read[{tmp_path / 'a'}]"]
     assert {kind for kind, *_ in lines[-1]["events"]} == {"read", "compute", "write"}
+
+
+def test_train_gpt_with_int8_state_learns_and_matches_the_same_codec_in_memory(tmp_path):
+    common = [
+        *("--steps", "30", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32"),
+        *("--batch-size", "16", "--subgroup-size", "8KiB", "--host-cache", "0", "--sample", "0"),
+    ]
+    exact = load("train_gpt").main([*common, "--paths", str(tmp_path / "exact")])
+    int8 = load("train_gpt").main([*common, "--paths", str(tmp_path / "int8"), "--state-codec", "int8", "--compare"])
+    assert int8["state_codec"] == "int8" and int8["compare_passed"], int8["deviation"]
+    assert int8["final_loss"] < 0.8 * int8["initial_loss"]
+    assert np.all(np.isfinite(int8["train_losses"]))
+    read = {
+        name: sum(v for k, v in r["stats"].items() if k.startswith("bytes_read["))
+        for name, r in (("exact", exact), ("int8", int8))
+    }
+    assert read["int8"] < 0.5 * read["exact"], read
 
 
 def test_train_linen_with_train_state_applies_gradients_outside_jit(tmp_path):

@@ -54,3 +54,18 @@ def test_nnx_optimizer_matches_plain_optax(tmp_path):
     expected = train(optax.chain(optax.clip_by_global_norm(1.0), inner))
     deviations = max_relative_deviation(jax.tree.leaves(got), jax.tree.leaves(expected))
     assert max(deviations.values()) <= 1e-5, deviations
+
+
+def test_nnx_optimizer_accumulates_like_multisteps_eagerly_and_inside_nnx_jit(tmp_path):
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    clip = optax.clip_by_global_norm(1.0)
+    expected = train(optax.chain(clip, optax.MultiSteps(inner, every_k_schedule=3)))
+    for update_in_jit in (False, True):
+        offload = jax_mlp.mlp_offload(
+            inner, paths=[tmp_path / str(update_in_jit)], subgroup_size="2KiB", accumulate_steps=3
+        )
+        got = train(optax.chain(clip, offload), update_in_jit=update_in_jit)
+        assert offload.offloader.step == 4
+        offload.close()
+        deviations = max_relative_deviation(jax.tree.leaves(got), jax.tree.leaves(expected))
+        assert max(deviations.values()) <= 1e-5, (update_in_jit, deviations)

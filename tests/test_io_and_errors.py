@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -9,6 +11,7 @@ import pytest
 from conftest import assert_same_bits, grads_at, make_params, max_relative_deviation, run_offload
 
 import jax_mlp
+from jax_mlp.storage import record
 from jax_mlp.storage.paths import PathStore
 from jax_mlp.storage.record import HEADER_SIZE
 
@@ -140,6 +143,32 @@ def test_a_corrupt_record_is_caught_by_its_checksum(paths):
     with pytest.raises(jax_mlp.RecordError, match=r"sg000003\.0 fails its checksum"):
         tx.update(grads_at(params, 0), state, params)
     tx.close()
+
+
+def test_records_sealed_by_zlib_as_before_resume_and_train_on(paths, monkeypatch):
+    """The default install used to seal records with zlib's CRC-32; ISA-L's is the same checksum."""
+    params = make_params()
+    options = dict(subgroup_size=SUBGROUP, host_cache=0)
+    expected = run_offload(optax.adam(1e-2), params, 4, [paths[1]], **options)[0]
+
+    with monkeypatch.context() as old_code:
+        old_code.setattr(record, "crc32", zlib.crc32)
+        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], **options)
+        state = tx.init(params)
+        current = params
+        for step in range(2):
+            updates, state = tx.update(grads_at(current, step), state, current)
+            current = optax.apply_updates(current, updates)
+        tx.close()
+    assert record.crc32 is not zlib.crc32
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], resume=True, **options)
+    state = tx.init(params)  # verifies every record of the last step
+    assert int(state.step) == 2
+    for step in range(2, 4):
+        updates, state = tx.update(grads_at(current, step), state, current)
+        current = optax.apply_updates(current, updates)
+    tx.close()
+    assert_same_bits(current, expected)
 
 
 def test_a_failed_write_loses_nothing_and_the_update_can_be_retried(paths, monkeypatch):

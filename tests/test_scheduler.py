@@ -247,6 +247,10 @@ def test_plan_and_probe_commands(tmp_path, capsys):
     assert f"nvme           {split[0]:.1%}" in out and f"pfs            {split[1]:.1%}" in out
     assert all(variant.name in out for variant in model.ABLATION)
 
+    for codec, per_param in (("bf16", "8 B"), ("int8", "6.03 B")):  # 8 B of adam state, 4 B of fp32 master
+        assert cli.main(["plan", "--params", "7e9", "--paths", "nvme=5GB/s", "--master", "--state-codec", codec]) == 0
+        assert f"7e+09 params, {per_param} of offloaded state each" in capsys.readouterr().out
+
     assert cli.main(["probe", str(tmp_path / "a"), "--size", "2MiB", "--record", "1MiB"]) == 0
     assert str(tmp_path / "a") in capsys.readouterr().out
 

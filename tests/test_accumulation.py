@@ -1,0 +1,249 @@
+"""Gradient accumulation: optax.MultiSteps' math, no storage traffic on micro-steps, the window used for I/O."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_same_bits, decay_mask, grads_at, make_params, max_relative_deviation
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_mlp
+from jax_mlp.errors import OffloadError
+
+K = 3
+CALLS = 4 * K  # four accumulated updates
+SUBGROUP = "16KiB"
+
+
+def adamw():
+    return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+
+
+def train(tx, params, calls, *, jit=False, state=None):
+    """Applies ``tx``'s updates for the gradients of ``calls``; returns the params, the state and each call's updates."""
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params) if state is None else state
+    history = []
+    for call in calls:
+        updates, state = update(grads_at(params, call), state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(updates)
+    return params, state, history
+
+
+def offloaded(params, paths, *, inner=adamw, jit=False, reopen_at=None, **options):
+    """Accumulating mlp_offload training over ``CALLS`` calls; optionally closes and resumes at call ``reopen_at``."""
+    options = dict(subgroup_size=SUBGROUP, accumulate_steps=K, **options)
+    tx = jax_mlp.mlp_offload(inner(), paths=paths, **options)
+    if reopen_at is None:
+        params, _, _ = train(tx, params, range(CALLS), jit=jit)
+    else:
+        params, _, _ = train(tx, params, range(reopen_at), jit=jit)
+        tx.close()
+        tx = jax_mlp.mlp_offload(inner(), paths=paths, resume=True, **options)
+        params, _, _ = train(tx, params, range(reopen_at, CALLS), jit=jit)
+    jax.block_until_ready(params)  # the jitted updates' callbacks have run
+    assert tx.offloader.step == CALLS // K
+    tx.close()
+    return params
+
+
+def assert_within_core_bound(actual, expected, params):
+    """Params and their displacement from the start within 1e-5 * max|.| per leaf."""
+    assert max(max_relative_deviation(actual, expected).values()) <= 1e-5
+    moved = jax.tree.map(lambda a, p: a.astype(jnp.float32) - p, actual, params)
+    reference = jax.tree.map(lambda e, p: e.astype(jnp.float32) - p, expected, params)
+    assert max(max_relative_deviation(moved, reference).values()) <= 1e-5
+
+
+def test_same_math_as_multisteps_and_bits_independent_of_tiering(tmp_path):
+    params = make_params()
+    reference = offloaded(params, [tmp_path / "a"], prefetch_depth=1)
+    state_bytes = jax_mlp.partition.make_plan(params, adamw(), jax_mlp.parse_size(SUBGROUP)).state_nbytes
+    variants = {
+        "part_cache_two_paths": dict(
+            paths=[tmp_path / "b1", tmp_path / "b2"], host_cache=state_bytes // 3, prefetch_depth=3
+        ),
+        "full_cache_three_paths": dict(paths=[tmp_path / f"c{i}" for i in range(3)], host_cache=2 * state_bytes),
+        "reopened_at_a_window_boundary": dict(paths=[tmp_path / "d"], host_cache=state_bytes // 2, reopen_at=2 * K),
+        "jitted": dict(paths=[tmp_path / "e"], jit=True),
+    }
+    for name, options in variants.items():
+        assert_same_bits(offloaded(params, options.pop("paths"), **options), reference, name)
+    for jit in (False, True):
+        expected, _, _ = train(optax.MultiSteps(adamw(), every_k_schedule=K), params, range(CALLS), jit=jit)
+        assert_within_core_bound(reference, expected, params)
+
+
+def test_averaging_is_multisteps_bit_for_bit(tmp_path):
+    """With sgd the update is the mean itself, scaled: the running mean's arithmetic is exactly MultiSteps'."""
+    params = make_params()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        expected, _, _ = train(
+            optax.MultiSteps(optax.sgd(0.1), every_k_schedule=K, accumulator_dtype=dtype), params, range(CALLS)
+        )
+        sgd = lambda: optax.sgd(0.1)  # noqa: E731
+        actual = offloaded(params, [tmp_path / np.dtype(dtype).name], inner=sgd, accumulator_dtype=dtype)
+        assert_same_bits(actual, expected, np.dtype(dtype).name)
+
+
+def test_micro_steps_return_zeros_and_touch_no_storage(tmp_path):
+    params = make_params(dtype=jnp.bfloat16)
+    tx = jax_mlp.mlp_offload(
+        adamw(),
+        paths=[tmp_path],
+        subgroup_size=SUBGROUP,
+        master_dtype=jnp.float32,
+        accumulate_steps=K,
+        flush="lazy",
+        idle_prefetch=False,
+    )
+    params, state, _ = train(tx, params, range(K))
+    stats, counters = tx.stats, tx.offloader.stream.counters
+    params, state, history = train(tx, params, range(K, 2 * K - 1), state=state)
+    for updates in history:
+        for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
+            assert u.dtype == jnp.float32 and u.shape == p.shape and not np.asarray(u).any()
+    assert int(state.step) == 1 and int(state.mini_step) == K - 1 and tx.offloader.step == 1
+    assert tx.stats is stats, "a micro-step produced stats"
+    assert not any(counters.bytes_read.values()) and not any(counters.bytes_written.values())
+    assert counters.cache_hits == counters.cache_misses == 0
+    train(tx, params, [2 * K - 1], state=state)
+    assert tx.offloader.step == 2 and tx.stats.step == 2
+    tx.close()
+
+
+def wait_for_idle_write_back(tx, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not tx.offloader.stream.engine.background_done():
+        assert time.monotonic() < deadline, "the idle-time write-back did not drain"
+        time.sleep(0.01)
+
+
+def per_update_traffic(tmp_path, name, steps):
+    """Each update's bytes read and written, cache hits, and the reads it started before it (in idle time).
+
+    Every record has the same size, so the bytes do not depend on which records the writer threads
+    happened to leave in the cache.
+    """
+    params = {f"w{i}": jnp.full((64, 64), 0.1 * i, jnp.float32) for i in range(8)}
+    tx = jax_mlp.mlp_offload(
+        adamw(),
+        paths=[tmp_path / name / "fast", tmp_path / name / "slow"],
+        subgroup_size="32KiB",  # one leaf's adam state per record
+        host_cache="80KiB",  # two records of eight
+        prefetch_depth=2,
+        write_depth=2,
+        accumulate_steps=steps,
+    )
+    state, rows = tx.init(params), []
+    for call in range(4 * steps):
+        wait_for_idle_write_back(tx)
+        updates, state = tx.update(grads_at(params, call), state, params)
+        params = optax.apply_updates(params, updates)
+        if call % steps == steps - 1:
+            stats = tx.stats
+            read_ahead = sum(1 for e in stats.events if e.kind == "read" and e.start < 0)
+            rows.append(
+                (sum(stats.bytes_read.values()), sum(stats.bytes_written.values()), stats.cache_hits, read_ahead)
+            )
+    tx.close()
+    return rows
+
+
+def test_bytes_per_update_unchanged_and_the_window_reads_further_ahead(tmp_path):
+    single, accumulated = per_update_traffic(tmp_path, "k1", 1), per_update_traffic(tmp_path, "k3", K)
+    assert [row[:3] for row in accumulated] == [row[:3] for row in single]
+    assert all(row[0] > 0 and row[1] > 0 and row[2] == 2 for row in single)
+    # Between two updates the read-ahead is prefetch_depth; once a window's write-back has drained,
+    # its micro-steps extend it by write_depth.
+    assert [row[3] for row in single[1:]] == [2] * 3
+    assert [row[3] for row in accumulated[1:]] == [4] * 3
+
+
+def test_jitted_micro_steps_never_enter_the_host(tmp_path):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(adamw(), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=K)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for call in range(2 * K):
+        updates, state = update(grads_at(params, call), state, params)
+        jax.block_until_ready(updates)
+        assert tx.offloader.step == (call + 1) // K, call
+        params = optax.apply_updates(params, updates)
+    assert int(state.step) == 2 and int(state.mini_step) == 0
+    tx.close()
+
+
+def multisteps_around(offload, params):
+    """What ``optax.MultiSteps(optax.chain(clip, offload), k)`` would hold, built around ``offload``'s own state."""
+    tx = optax.MultiSteps(optax.chain(optax.clip(1.0), offload), every_k_schedule=2)
+    inner_state = (optax.EmptyState(), offload.init(params))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return tx, optax.MultiStepsState(jnp.int32(0), jnp.int32(0), inner_state, zeros)
+
+
+@pytest.mark.parametrize("mesh", [False, True])
+def test_multisteps_around_mlp_offload_is_refused_at_its_first_call(tmp_path, mesh):
+    params = make_params()
+    if mesh:
+        fsdp = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+        params = jax.tree.map(lambda p: jax.device_put(p, NamedSharding(fsdp, P("fsdp") if p.ndim else P())), params)
+    offload = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "init"])
+    with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
+        optax.MultiSteps(optax.chain(optax.clip(1.0), offload), every_k_schedule=2).init(params)
+    assert offload.offloader.plan is None and not (tmp_path / "init").exists(), "init wrote before refusing"
+
+    offload = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "update"])
+    tx, state = multisteps_around(offload, params)
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
+            update(grads_at(params, 0), state, params)
+    assert offload.offloader.step == 0 and offload.stats.step == 0
+    offload.close()
+
+
+def test_accumulation_options_and_states_are_checked(tmp_path):
+    for steps in (0, 1.5, True):
+        with pytest.raises(ValueError, match="accumulate_steps"):
+            jax_mlp.mlp_offload(adamw(), paths=[tmp_path], accumulate_steps=steps)
+    with pytest.raises(ValueError, match="accumulator_dtype"):
+        jax_mlp.mlp_offload(adamw(), paths=[tmp_path], accumulator_dtype=jnp.int32)
+    params = make_params()
+    for steps, other in ((K, 1), (1, K)):
+        tx = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / f"k{steps}"], accumulate_steps=steps)
+        tx.init(params)
+        foreign = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / f"other{steps}"], accumulate_steps=other)
+        with pytest.raises(OffloadError, match=rf"accumulate_steps={steps}.*accumulation window"):
+            tx.update(grads_at(params, 0), foreign.init(params), params)
+        tx.close()
+        foreign.close()
+
+
+def test_sharded_accumulation_keeps_shardings_eagerly_and_inside_jit(tmp_path):
+    mesh = jax.make_mesh((2, 4), ("replica", "fsdp"), devices=jax.devices()[:8])
+    params = jax.tree.map(
+        lambda p: jax.device_put(p, NamedSharding(mesh, P("fsdp") if p.ndim and p.shape[0] % 4 == 0 else P())),
+        make_params(),
+    )
+    calls = range(2 * K)
+    expected, _, _ = train(optax.MultiSteps(adamw(), every_k_schedule=K), params, calls)
+    results = []
+    for jit in (False, True):
+        tx = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / str(jit)], subgroup_size=SUBGROUP, accumulate_steps=K)
+        got, state, history = train(tx, params, calls, jit=jit)
+        jax.block_until_ready(got)
+        assert tx.offloader.step == 2
+        tx.close()
+        for tree in (got, state.acc_grads, history[0], history[K - 1]):
+            for x, p in zip(jax.tree.leaves(tree), jax.tree.leaves(params), strict=True):
+                assert x.sharding.is_equivalent_to(p.sharding, p.ndim), (jit, x.sharding, p.sharding)
+        assert_within_core_bound(got, expected, params)
+        results.append(got)
+    assert_same_bits(results[1], results[0], "jitted against eager")
