@@ -1,8 +1,11 @@
-"""Nox sessions: ``nox -s tests``, ``nox -s lint`` and ``nox -s demo``.
+"""Nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s demo`` and ``nox -s pretrain``.
 
 Each session installs into its own virtual environment (made with the standard ``venv`` module, so
 uv is not needed) for the Python that runs nox.
 """
+
+import os
+import shutil
 
 import nox
 
@@ -31,3 +34,17 @@ def demo(session: nox.Session) -> None:
     """Trains a small GPT (Flax NNX) with offloaded AdamW state; arguments after ``--`` go to the script."""
     session.install(".[examples]")
     session.run("python", "examples/train_gpt.py", *session.posargs)
+
+
+@nox.session
+def pretrain(session: nox.Session) -> None:
+    """Runs the FSDP pre-training recipe on 8 fake CPU devices (GPUs where present); ``--`` args go to the script.
+
+    The run lives in ``.nox/pretrain/tmp/run``, started afresh unless ``--resume`` is among the arguments.
+    """
+    session.install(".[examples]")
+    workdir = os.path.join(session.create_tmp(), "run")
+    if "--resume" not in session.posargs:
+        shutil.rmtree(workdir, ignore_errors=True)
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # only the CPU backend reads it
+    session.run("python", "examples/pretrain.py", "--workdir", workdir, *session.posargs, env=env)
