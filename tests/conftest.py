@@ -152,3 +152,18 @@ def tmpfs(directory, size):
         yield directory
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def scale_by_global_norm() -> optax.GradientTransformation:
+    """A planted cross-leaf transformation: every update is divided by the norm of all of them."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        return jax.tree.map(lambda u: u / (norm + 1e-6), updates), state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import scale_by_global_norm
 
 import jax_mlp
 from jax_mlp import partition
@@ -105,23 +106,8 @@ def test_a_leaf_wise_use_of_an_extra_argument_passes():
     assert check_optimizer(plateau, TREE, None, {"value": jnp.zeros(())}).whole_leaves == frozenset()
 
 
-def scale_by_global_norm() -> optax.GradientTransformation:
-    """A planted cross-leaf transformation: every update is divided by the norm of all of them."""
-
-    def init_fn(params):
-        del params
-        return optax.EmptyState()
-
-    def update_fn(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
-        return jax.tree.map(lambda u: u / (norm + 1e-6), updates), state
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
 def test_a_planted_global_norm_transformation_is_refused_by_name():
-    with pytest.raises(CoupledOptimizerError, match=r"scale_by_global_norm \(.*test_dependence\.py:\d+\)") as caught:
+    with pytest.raises(CoupledOptimizerError, match=r"scale_by_global_norm \(.*conftest\.py:\d+\)") as caught:
         check_optimizer(optax.chain(optax.adam(1e-3), scale_by_global_norm()), TREE, None)
     assert "['dense']['b']" in str(caught.value) and "['dense']['w']" in str(caught.value)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import scale_by_global_norm
 
 import jax_mlp
 from jax_mlp import partition
@@ -175,25 +176,10 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
     _assert_close(offloaded, _train(inner, inner.init(params), params, loss), params)
 
 
-def scale_by_global_norm() -> optax.GradientTransformation:
-    """A planted cross-leaf transformation: every update is divided by the norm of all of them."""
-
-    def init_fn(params):
-        del params
-        return optax.EmptyState()
-
-    def update_fn(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
-        return jax.tree.map(lambda u: u / (norm + 1e-6), updates), state
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
 def test_a_planted_global_norm_transformation_is_refused_by_name_before_anything_is_written(tmp_path):
     params, _ = _problem()
     tx = jax_mlp.mlp_offload(optax.chain(optax.adam(1e-2), scale_by_global_norm()), paths=tmp_path)
-    with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*test_optimizer_contract\.py"):
+    with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*conftest\.py"):
         tx.init(params)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
