@@ -2,10 +2,16 @@
 
 One fast and one slow path are emulated on this machine's disk with bandwidth caps well below
 the raw disk (measured in the same run), with a host cache of about a quarter of the state. The
-variants of ``jax_mlp.model.ABLATION`` run in one process, interleaved iteration by iteration, so
+variants of ``jax_mlp.model.ABLATION``, then the full scheduler with the state kept in bf16 and in
+int8 (``jax_mlp.quantized_state``), run in one process, interleaved iteration by iteration, so
 machine noise hits them alike. Between two updates of a variant the script sleeps ``--idle``
 seconds, standing in for forward and backward. A second experiment cuts the slow path's cap to a
 quarter mid-run and follows how fast rebalancing brings the update time back to the model.
+
+Each exact-math variant also gets its ideal speedup: the ratio of the baseline's in-update I/O bound
+to its own, both the bytes each path moved during the update (from the same run's stats) over the
+capped bandwidths; ``full_vs_baseline_of_ideal`` is how much of it full achieves. The compute floor of the model (the update time with all state in
+the host cache) is measured for each codec by runners stepped in the same interleaved loop.
 
 Writes ``ablation.json`` and ``ablation.png`` into ``--out``.
 
@@ -21,14 +27,16 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import jax_mlp
-from jax_mlp import model
+from jax_mlp import model, quantized
 from jax_mlp.model import PathSpeed
+from jax_mlp.stats import UpdateStats
 from jax_mlp.storage.probe import probe
 from jax_mlp.storage.record import HEADER_SIZE
 
@@ -46,6 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="where the emulated tiers live (default: a temp dir)")
     parser.add_argument("--out", default="results", help="output folder for the JSON and PNG")
     return parser.parse_args(argv)
+
+
+class Row(NamedTuple):
+    """One row of the ablation: a variant of the mechanisms, and the codec its state is kept in."""
+
+    name: str
+    variant: model.Variant
+    codec: str = "none"
+
+
+ROWS = tuple(Row(v.name, v) for v in model.ABLATION) + tuple(
+    Row(f"+{codec} state", model.ABLATION[-1], codec) for codec in quantized.CODECS
+)
 
 
 def make_params(state_bytes: int) -> dict:
@@ -73,13 +94,17 @@ def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, 
 class Runner:
     """One variant's optimizer, stepped one update at a time."""
 
-    def __init__(self, name: str, params: dict, subgroup_size: str, **options):
+    def __init__(self, name: str, params: dict, subgroup_size: str, codec: str = "none", **options):
         self.name = name
         self.params = params
-        self.tx = jax_mlp.mlp_offload(optax.adam(1e-3), subgroup_size=subgroup_size, **options)
+        inner = optax.adam(1e-3) if codec == "none" else jax_mlp.quantized_state(optax.adam(1e-3), codec)
+        self.tx = jax_mlp.mlp_offload(inner, subgroup_size=subgroup_size, **options)
         self.state = self.tx.init(params)
+        self.caps = [getattr(path, "max_read", None) for path in options["paths"]]
+        self.record_bytes = [HEADER_SIZE + sg.layout.nbytes for sg in self.tx.offloader.plan.subgroups]
         self.times: list[float] = []
         self.stats: list[dict] = []
+        self.io_bounds: list[float] = []
 
     def step(self) -> float:
         grads = jax.tree.map(lambda p: p * 0.1 + len(self.times), self.params)
@@ -90,7 +115,28 @@ class Runner:
         seconds = time.perf_counter() - start
         self.times.append(seconds)
         self.stats.append(self.tx.stats.as_dict())
+        if all(self.caps):
+            self.io_bounds.append(io_bound(in_update_bytes(self.tx.stats, self.record_bytes), self.caps))
         return seconds
+
+
+def in_update_bytes(stats: UpdateStats, record_bytes: list[int]) -> list[tuple[float, float]]:
+    """Bytes each path read and wrote during the update itself, in the order of the paths.
+
+    Transfers in the idle time before it (write-backs, reads ahead) are left out, and one that
+    straddles its start counts for the part inside.
+    """
+    moved = {path: {"read": 0.0, "write": 0.0} for path in stats.paths}
+    for event in stats.events:
+        if event.kind in ("read", "write") and event.end > 0:
+            inside = (event.end - max(event.start, 0.0)) / (event.end - event.start) if event.end > event.start else 1
+            moved[event.path][event.kind] += inside * record_bytes[event.subgroup]
+    return [(moved[path]["read"], moved[path]["write"]) for path in stats.paths]
+
+
+def io_bound(moved: list[tuple[float, float]], caps: list[float]) -> float:
+    """The update's I/O bound: the busiest path's bytes read and written over its (read = write) cap."""
+    return max((read + written) / cap for (read, written), cap in zip(moved, caps, strict=True))
 
 
 def raw_bandwidth(directory: str, nbytes: int) -> PathSpeed:
@@ -104,51 +150,72 @@ def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
     state_bytes = jax_mlp.parse_size(args.state)
     cache = int(args.cache_fraction * state_bytes)
 
-    floor = Runner("floor", params, args.subgroup_size, paths=[f"{root}/floor"], host_cache=4 * state_bytes)
-    for _ in range(3):
-        floor.step()
-    compute_seconds = statistics.median(floor.times[1:])
-    floor.tx.close(delete=True)
-
+    # The compute floor of each codec: all state in the host cache, so no I/O wait; stepped with the rows.
+    floors = {
+        codec: Runner(
+            f"floor {codec}",
+            params,
+            args.subgroup_size,
+            codec,
+            paths=[f"{root}/floor_{codec}"],
+            host_cache=4 * state_bytes,
+        )
+        for codec in ("none", *quantized.CODECS)
+    }
     runners = []
-    for variant in model.ABLATION:
-        tag = variant.name.strip("+").replace(" ", "_").replace("/", "_")
+    for row in ROWS:
+        tag = row.name.strip("+").replace(" ", "_").replace("/", "_")
         fast = jax_mlp.Path(f"{root}/{tag}/fast", max_read=fast_cap, max_write=fast_cap)
         slow = jax_mlp.Path(f"{root}/{tag}/slow", max_read=slow_cap, max_write=slow_cap)
-        runners.append(
-            (
-                variant,
-                Runner(variant.name, params, args.subgroup_size, **options_for(variant, fast, slow, cache, args.depth)),
-            )
-        )
+        options = options_for(row.variant, fast, slow, cache, args.depth)
+        runners.append((row, Runner(row.name, params, args.subgroup_size, row.codec, **options)))
     plan = runners[0][1].tx.offloader.plan
     record_bytes = statistics.mean(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
+    exact_state = sum(sg.layout.nbytes for sg in plan.subgroups)
     for _ in range(args.iterations):
-        for _, runner in runners:
+        for runner in [*floors.values(), *(runner for _, runner in runners)]:
             runner.step()
             time.sleep(args.idle)
+    compute_seconds = {codec: statistics.median(floor.times[1:]) for codec, floor in floors.items()}
+    for floor in floors.values():
+        floor.tx.close(delete=True)
 
     speeds = [PathSpeed("fast", fast_cap, fast_cap), PathSpeed("slow", slow_cap, slow_cap)]
     rows = []
-    for variant, runner in runners:
+    for row, runner in runners:
+        if row.codec == "none":
+            num_records, row_record_bytes = len(plan.subgroups), record_bytes
+        else:
+            # Sized as `jax-mlp plan --state-codec` sizes it: the exact state times the codec's stored fraction.
+            num_records, row_record_bytes = model.records(
+                exact_state * quantized.stored_fraction(row.codec), jax_mlp.parse_size(args.subgroup_size)
+            )
         prediction = model.predict_variant(
-            variant,
+            row.variant,
             speeds,
-            num_records=len(plan.subgroups),
-            record_bytes=record_bytes,
+            num_records=num_records,
+            record_bytes=row_record_bytes,
             cache_bytes=cache,
-            compute_seconds=compute_seconds,
+            compute_seconds=compute_seconds[row.codec],
             idle_seconds=args.idle,
+            prefetch_depth=args.depth,
         )
         steady = runner.times[1:]
         last = runner.stats[-1]
         rows.append(
             {
-                "variant": variant.name,
+                "variant": row.name,
+                "codec": row.codec,
                 "median_update_s": statistics.median(steady),
                 "update_s": runner.times,
                 "predicted_s": prediction.seconds,
                 "prediction_error": statistics.median(steady) / prediction.seconds - 1,
+                "compute_floor_s": compute_seconds[row.codec],
+                "records": len(runner.record_bytes),
+                "stored_bytes": sum(runner.record_bytes),
+                "predicted_records": num_records,
+                "predicted_record_bytes": row_record_bytes,
+                "in_update_io_bound_s": statistics.median(runner.io_bounds[1:]),
                 "bytes_read": {k.split("[")[1].rstrip("]"): v for k, v in last.items() if k.startswith("bytes_read[")},
                 "bytes_written": {
                     k.split("[")[1].rstrip("]"): v for k, v in last.items() if k.startswith("bytes_written[")
@@ -159,16 +226,25 @@ def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
             }
         )
         runner.tx.close(delete=True)
-    baseline, full = rows[0]["median_update_s"], rows[-1]["median_update_s"]
+    baseline = rows[0]
+    for row in rows:
+        row["speedup_vs_baseline"] = baseline["median_update_s"] / row["median_update_s"]
+        if row["codec"] == "none":
+            row["ideal_speedup"] = baseline["in_update_io_bound_s"] / row["in_update_io_bound_s"]
+            row["of_ideal"] = row["speedup_vs_baseline"] / row["ideal_speedup"]
+    full = next(row for row in rows if row["variant"] == model.ABLATION[-1].name)
     return {
         "state_bytes": state_bytes,
         "records": len(plan.subgroups),
         "record_bytes": record_bytes,
         "cache_bytes": cache,
         "caps_bytes_per_s": {"fast": fast_cap, "slow": slow_cap},
-        "compute_floor_s": compute_seconds,
+        "compute_floor_s": compute_seconds["none"],
         "rows": rows,
-        "speedup_full_vs_baseline": baseline / full,
+        "speedup_full_vs_baseline": full["speedup_vs_baseline"],
+        "ideal_speedup_full_vs_baseline": full["ideal_speedup"],
+        "full_vs_baseline_of_ideal": full["of_ideal"],
+        "speedup_int8_vs_baseline": next(row for row in rows if row["codec"] == "int8")["speedup_vs_baseline"],
     }
 
 
@@ -197,7 +273,7 @@ def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_sec
         cache_bytes=cache,
         compute_seconds=compute_seconds,
         idle_seconds=args.idle,
-        prefetch_in_idle=True,
+        prefetch_records=args.depth,
     ).seconds
     moves = runner.tx.offloader.scheduler.moves
     runner.tx.close(delete=True)
@@ -227,7 +303,11 @@ def plot(result: dict, path: str) -> None:
     bars.bar([i + 0.2 for i in x], [r["predicted_s"] for r in rows], 0.4, label="model")
     bars.set_xticks(list(x), names, rotation=20)
     bars.set_ylabel("update time (s)")
-    bars.set_title(f"ablation: full is {result['ablation']['speedup_full_vs_baseline']:.2f}x the baseline")
+    ablation = result["ablation"]
+    bars.set_title(
+        f"full is {ablation['speedup_full_vs_baseline']:.2f}x the baseline "
+        f"({ablation['full_vs_baseline_of_ideal']:.0%} of the ideal), +int8 {ablation['speedup_int8_vs_baseline']:.2f}x"
+    )
     bars.legend()
     rebalance = result["rebalance"]
     line.plot(range(1, 11), rebalance["update_s"], marker="o", label="measured")
@@ -262,11 +342,17 @@ def main(argv: list[str] | None = None) -> dict:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "ablation.png"))
     for row in result["ablation"]["rows"]:
+        ideal = f"   ideal {row['ideal_speedup']:.2f}x ({row['of_ideal']:.0%})" if "ideal_speedup" in row else ""
         print(
             f"{row['variant']:<22} median {row['median_update_s']:.3f} s   model {row['predicted_s']:.3f} s   "
-            f"error {row['prediction_error']:+.1%}"
+            f"error {row['prediction_error']:+.1%}   {row['speedup_vs_baseline']:.2f}x{ideal}"
         )
-    print(f"full vs baseline: {result['ablation']['speedup_full_vs_baseline']:.2f}x")
+    ablation = result["ablation"]
+    print(
+        f"full vs baseline: {ablation['speedup_full_vs_baseline']:.2f}x, "
+        f"{ablation['full_vs_baseline_of_ideal']:.1%} of the ideal {ablation['ideal_speedup_full_vs_baseline']:.2f}x; "
+        f"+int8 state vs baseline: {ablation['speedup_int8_vs_baseline']:.2f}x"
+    )
     print(f"raw disk: read {raw.read_bandwidth / 1e6:.0f} MB/s, write {raw.write_bandwidth / 1e6:.0f} MB/s")
     rebalance = result["rebalance"]
     print(

@@ -8,7 +8,6 @@ malformed log) is raised as :class:`UsageError` and printed as one line, with ex
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -110,7 +109,7 @@ def _seconds(value: float) -> str:
 
 def _records(state: float, subgroup: int) -> list[int]:
     """The record sizes of ``state`` bytes of offloaded state cut into subgroups of ``subgroup`` bytes."""
-    count = max(1, math.ceil(state / subgroup))
+    count, _ = model.records(state, subgroup)
     return [HEADER_SIZE + subgroup] * (count - 1) + [HEADER_SIZE + max(0, int(state) - (count - 1) * subgroup)]
 
 
@@ -167,10 +166,10 @@ def plan_command(args: argparse.Namespace) -> int:
     per_param = args.state_bytes_per_param * quantized.stored_fraction(args.state_codec) + (4 if args.master else 0)
     processes_per_node = args.processes_per_node
     state = args.params * per_param / (args.nodes * processes_per_node)
-    record = parse_size(args.subgroup_size, name="--subgroup-size")
+    num_records, record = model.records(state, parse_size(args.subgroup_size, name="--subgroup-size"))
     cache = parse_size(args.host_cache, name="--host-cache") / processes_per_node
     common = dict(
-        num_records=max(1, math.ceil(state / record)),
+        num_records=num_records,
         record_bytes=record,
         cache_bytes=cache,
         processes_per_node=processes_per_node,

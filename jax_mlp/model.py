@@ -59,6 +59,11 @@ def critical_records(num_records: int, cached_records: int, *, alternate: bool) 
     return reads, num_records - cached, cached
 
 
+def records(state_bytes: float, subgroup_bytes: float) -> tuple[int, float]:
+    """The records a plan cuts ``state_bytes`` into with subgroups of ``subgroup_bytes``: their count and size."""
+    return max(1, math.ceil(state_bytes / subgroup_bytes)), subgroup_bytes
+
+
 def predict(
     paths: Sequence[PathSpeed],
     *,
@@ -71,7 +76,7 @@ def predict(
     idle_seconds: float = math.inf,
     processes_per_node: int = 1,
     contention: float = 1.0,
-    prefetch_in_idle: bool = False,
+    prefetch_records: int = 0,
 ) -> Prediction:
     """Predicts one update's time and traffic.
 
@@ -87,7 +92,8 @@ def predict(
       processes_per_node: processes of a node that share each path.
       contention: bandwidth kept when several processes hit a path at once with no node lock
         (1.0 with the lock: they take turns at full speed).
-      prefetch_in_idle: whether the first reads of the update ran in the idle time before it.
+      prefetch_records: how many of the update's first reads ran in the idle time before it
+        (``prefetch_depth`` with ``idle_prefetch``): they leave its critical path for the idle time.
 
     Returns:
       The prediction: time, split, and bytes per path per process.
@@ -95,19 +101,21 @@ def predict(
     shares = tuple(shares) if shares is not None else best_split(paths)
     cached = int(cache_bytes // record_bytes) if record_bytes else 0
     reads, writes, idle = critical_records(num_records, cached, alternate=alternate)
+    early = min(reads, prefetch_records)
     factor = processes_per_node / (contention if processes_per_node > 1 else 1.0)
     bytes_read = tuple(s * reads * record_bytes for s in shares)
     bytes_written = tuple(s * writes * record_bytes for s in shares)
     path_seconds = tuple(
-        factor * (r / p.read_bandwidth + w / p.write_bandwidth)
-        for p, r, w in zip(paths, bytes_read, bytes_written, strict=True)
+        factor * (s * (reads - early) * record_bytes / p.read_bandwidth + w / p.write_bandwidth)
+        for p, s, w in zip(paths, shares, bytes_written, strict=True)
     )
     idle_seconds_needed = max(
-        factor * s * idle * record_bytes / p.write_bandwidth for p, s in zip(paths, shares, strict=True)
+        factor * s * record_bytes * (idle / p.write_bandwidth + early / p.read_bandwidth)
+        for p, s in zip(paths, shares, strict=True)
     )
     used = [p for p, s in zip(paths, shares, strict=True) if s > 0]
     fill = record_bytes / min(p.write_bandwidth for p in used) if writes else 0.0
-    if reads and not prefetch_in_idle:
+    if reads and not early:
         fill += record_bytes / min(p.read_bandwidth for p in used)
     seconds = max(max(path_seconds), compute_seconds) + fill + max(0.0, idle_seconds_needed - idle_seconds)
     return Prediction(seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes)
@@ -148,11 +156,13 @@ def predict_variant(
     contention: float = 0.8,
     compute_seconds: float = 0.0,
     idle_seconds: float = math.inf,
+    prefetch_depth: int = 1,
 ) -> Prediction:
     """The prediction for one ablation variant.
 
     The baseline uses the first path with no cache; without ``balanced`` the split is equal
-    (a fixed ratio, as in the paper) and nothing is prefetched in idle time.
+    (a fixed ratio, as in the paper) and nothing is prefetched in idle time; with it, the first
+    ``prefetch_depth`` reads of the update are.
     """
     used = tuple(paths) if variant.multipath else tuple(paths[:1])
     return predict(
@@ -166,5 +176,5 @@ def predict_variant(
         idle_seconds=idle_seconds,
         processes_per_node=processes_per_node,
         contention=1.0 if variant.node_lock else contention,
-        prefetch_in_idle=variant.balanced,
+        prefetch_records=prefetch_depth if variant.balanced else 0,
     )

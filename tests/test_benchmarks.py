@@ -44,8 +44,17 @@ def test_ablation_benchmark_writes_json_and_png(tmp_path):
         ]
     )
     written = json.loads((tmp_path / "ablation.json").read_text())
-    assert [row["variant"] for row in written["ablation"]["rows"]] == [v.name for v in ablation.model.ABLATION]
-    assert all(row["predicted_s"] > 0 and len(row["update_s"]) == 2 for row in written["ablation"]["rows"])
+    rows = written["ablation"]["rows"]
+    assert [row["variant"] for row in rows] == [v.name for v in ablation.model.ABLATION] + [
+        "+bf16 state",
+        "+int8 state",
+    ]
+    assert all(row["predicted_s"] > 0 and len(row["update_s"]) == 2 for row in rows)
+    assert all(row["in_update_io_bound_s"] > 0 and row["speedup_vs_baseline"] > 0 for row in rows)
+    assert all(("ideal_speedup" in row) == (row["codec"] == "none") for row in rows)
+    stored = {row["codec"]: row["stored_bytes"] for row in rows}
+    assert stored["int8"] < stored["bf16"] < stored["none"]
+    assert written["ablation"]["full_vs_baseline_of_ideal"] > 0
     assert len(result["rebalance"]["update_s"]) == 10
     assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
