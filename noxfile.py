@@ -46,5 +46,7 @@ def pretrain(session: nox.Session) -> None:
     workdir = os.path.join(session.create_tmp(), "run")
     if "--resume" not in session.posargs:
         shutil.rmtree(workdir, ignore_errors=True)
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # only the CPU backend reads it
+    # Only the CPU backend reads these: 8 fake devices, and more XLA CPU threads than devices, without
+    # which the FSDP step's all-reduce waits forever on a machine with fewer cores.
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "NPROC": "24"}
     session.run("python", "examples/pretrain.py", "--workdir", workdir, *session.posargs, env=env)

@@ -23,8 +23,11 @@ model and its embedded corpus), with size flags, as a real pre-training run woul
 Run it with::
 
     python examples/pretrain.py --workdir /tmp/pretrain                  # one host, its devices
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/pretrain.py --workdir /tmp/pt --steps 20
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 NPROC=24 python examples/pretrain.py --workdir /tmp/pt --steps 20
     python examples/pretrain.py --workdir /tmp/pretrain --resume        # after a crash, or to go on
+
+On fake CPU devices, give XLA's CPU runtime more threads than devices (``NPROC``): with fewer, as
+on 2 cores, the FSDP step's all-reduce waits for device threads that never come and XLA aborts.
 
 See ``docs/multi_device.md`` for paths and launching one process per node.
 """

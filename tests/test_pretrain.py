@@ -35,7 +35,9 @@ def _command(workdir: Path, *extra: str) -> list[str]:
 
 def _environment() -> dict[str, str]:
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=9", "")
-    return {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    # As nox -s pretrain: more XLA CPU threads than devices, or the FSDP all-reduce hangs on 2 cores.
+    devices = f"{flags} --xla_force_host_platform_device_count=8"
+    return {**os.environ, "XLA_FLAGS": devices, "JAX_PLATFORMS": "cpu", "NPROC": "24"}
 
 
 def _run(workdir: Path, *extra: str) -> dict:
