@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
+import tempfile
 
 # Nine fake CPU devices: the sharding tests use the first eight as a 2x4 mesh, and the in-jit route
 # runs the update on the ninth while the mesh's devices wait in their callbacks. That route also needs
@@ -13,6 +16,15 @@ import subprocess
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=9".strip()
 os.environ.setdefault("NPROC", "24")
+# One persistent XLA compilation cache for this test session and the processes it starts: the many
+# offloaders, example runs and child processes compile the same small programs again and again, and
+# the cache turns that repeated compile time (most of a child process's life) into a file read. It is
+# new per session, so a test that expects a first compile of a shape of its own still sees one.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-mlp-tests-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import jax.numpy as jnp

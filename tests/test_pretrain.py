@@ -93,7 +93,9 @@ def test_pretrain_killed_mid_run_resumes_from_the_tiers_and_from_a_checkpoint(tm
     crashed = tmp_path / "crashed"
     _run_until_killed(crashed, after_step=5)
     resumed = _run(crashed, "--resume")
-    assert resumed["start"] == "tiers" and 5 <= resumed["start_step"] < STEPS, resumed
+    # Step 5's cached records reach the paths in the idle time after its update: a kill before they
+    # land resumes at step 4 (docs/checkpoints.md, "Crash consistency"), one after at step 5.
+    assert resumed["start"] == "tiers" and 4 <= resumed["start_step"] < STEPS, resumed
     assert resumed["step"] == STEPS
     _assert_within_bf16_bound(_params_at(crashed, STEPS), expected)
 
