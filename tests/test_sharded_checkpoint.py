@@ -192,17 +192,17 @@ def test_a_sharded_checkpoint_round_trips_onto_other_meshes_paths_and_subgroups(
 
 
 def test_a_chunk_never_spans_two_blocks_and_follows_the_row_chunks_where_they_leave_it_large():
-    from jax_mlp.checkpoint import _chunk_shape
+    from jax_mlp.checkpoint_layout import chunk_shape
 
     def fsdp(rows, cols, parts):  # blocks of ``parts`` equal row ranges
         step = rows // parts
         return [((i * step, (i + 1) * step), (0, cols)) for i in range(parts)]
 
     # Row chunks of 256 rows of 4 KiB inside 1024-row blocks: 1 MiB chunks on every boundary.
-    assert _chunk_shape((4096, 1024), 4, fsdp(4096, 1024, 4), 256) == (256, 1024)
+    assert chunk_shape((4096, 1024), 4, fsdp(4096, 1024, 4), 256) == (256, 1024)
     # Row chunks of 16 rows would make 64 KiB chunks: a block's rows, the largest divisor within 4 MiB.
-    assert _chunk_shape((256, 1024), 4, fsdp(256, 1024, 4), 16) == (64, 1024)
-    assert _chunk_shape((8192, 1024), 4, fsdp(8192, 1024, 2), 48) == (1024, 1024)
+    assert chunk_shape((256, 1024), 4, fsdp(256, 1024, 4), 16) == (64, 1024)
+    assert chunk_shape((8192, 1024), 4, fsdp(8192, 1024, 2), 48) == (1024, 1024)
     # Blocks over columns and a leaf on one device.
-    assert _chunk_shape((16, 32), 4, [((0, 16), (c, c + 8)) for c in range(0, 32, 8)], 0) == (16, 8)
-    assert _chunk_shape((40, 16), 2, [], 0) == (40, 16) and _chunk_shape((), 4, [], 0) == ()
+    assert chunk_shape((16, 32), 4, [((0, 16), (c, c + 8)) for c in range(0, 32, 8)], 0) == (16, 8)
+    assert chunk_shape((40, 16), 2, [], 0) == (40, 16) and chunk_shape((), 4, [], 0) == ()
