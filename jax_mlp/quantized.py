@@ -262,6 +262,9 @@ def quantized_state(
         count = jnp.zeros([], jnp.int32)
         state = inner.init(params)
         _check_codable(state)
+        # Mostly zeros known at trace time: without the barrier XLA constant-folds the encoding of a
+        # large zero moment, taking seconds to compile each init program of the int8 codec.
+        state = jax.lax.optimization_barrier(state)
         return QuantizedState(count, compress(state, codec, count, stochastic=stochastic))
 
     def update(updates: Any, state: QuantizedState, params: Any = None, **extra_args: Any) -> tuple:
