@@ -16,7 +16,7 @@ nox.options.sessions = ["tests", "lint"]
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Runs the test suite; arguments after ``--`` go to pytest (default: ``-q``, one worker per core up to 4).
+    """Runs the test suite; arguments after ``--`` go to pytest (default: ``-q -n auto --maxprocesses 4``).
 
     The suite is mostly child processes and waits on them (training runs, killed peers, timeouts), so
     two workers on a 2-core machine finish it in about 60% of the time one takes. More than four

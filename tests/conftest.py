@@ -19,7 +19,9 @@ os.environ.setdefault("NPROC", "24")
 # One persistent XLA compilation cache for this test session and the processes it starts: the many
 # offloaders, example runs and child processes compile the same small programs again and again, and
 # the cache turns that repeated compile time (most of a child process's life) into a file read. It is
-# new per session, so a test that expects a first compile of a shape of its own still sees one.
+# new per session, so a test that expects a first compile of a shape of its own still sees one. A
+# process that reads an entry another one is still writing gets JAX's "Error reading persistent
+# compilation cache entry" warning and compiles the program itself.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-mlp-tests-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
