@@ -40,7 +40,6 @@ from jax_mlp.checkpoint_layout import (
     chunk_shape,
     interior_gcd,
     layout_of,
-    paths_of,
     region_of,
     slices,
     standard_layout,
@@ -306,7 +305,7 @@ def _saved(directory: epath.Path) -> _Saved:
 
 def _restore_item(expected: Any, master_dtype: Any, saved: _Saved) -> tuple[Any, Any]:
     """The tree to restore from the checkpoint, and the name of each of its leaves in ``expected``."""
-    names = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(expected), paths_of(expected))
+    names = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(expected), partition.paths_of(expected))
     if master_dtype is None and saved.has_master:
         return {STATE: expected}, {STATE: names}
     if master_dtype is not None and not saved.has_master:

@@ -108,11 +108,6 @@ class Layout(NamedTuple):
     regions: tuple[tuple[Region, ...], ...]
 
 
-def paths_of(tree: Any) -> list[str]:
-    """The ``keystr`` path of each leaf of ``tree``, in leaf order."""
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _abstract_params(plan: Plan) -> Any:
     leaves = [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in plan.leaves]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
@@ -123,7 +118,7 @@ def _state_paths(inner: optax.GradientTransformation, plan: Plan, pieces: Sequen
     dtype = plan.master_dtype
     values = [jax.ShapeDtypeStruct(plan.leaves[p.leaf].shape, dtype or plan.leaves[p.leaf].dtype) for p in pieces]
     view = partition.view_of(plan.treedef, len(plan.leaves), pieces, values)
-    return paths_of(jax.eval_shape(inner.init, view))
+    return partition.paths_of(jax.eval_shape(inner.init, view))
 
 
 def _piece_box(spec: partition.LeafSpec, piece: partition.Piece) -> Box | None:
@@ -161,8 +156,7 @@ def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[Region, .
     """Maps each field of ``subgroup``'s record to its leaf and region in the standard layout."""
     owner = lookup.owner
     box_of = {p.leaf: _piece_box(plan.leaves[p.leaf], p) for p in subgroup.pieces}
-    treedef = subgroup.layout.state_treedef
-    state_paths = paths_of(jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves))
+    state_paths = partition.treedef_paths(subgroup.layout.state_treedef)
     regions = []
     for path, field in zip(state_paths, subgroup.layout.state_fields, strict=True):
         leaf = lookup.index[lookup.prefix + path]

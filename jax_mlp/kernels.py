@@ -119,13 +119,9 @@ def empty_view(plan: Plan) -> Any:
     return jax.tree_util.tree_unflatten(plan.treedef, [None] * len(plan.leaves))
 
 
-def _paths(tree: Any) -> list[str]:
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _positions(state_treedef: Any, shared_paths: Sequence[str]) -> tuple[int, ...]:
     """Where each shared state leaf is among a subgroup's state leaves (found by tree path)."""
-    paths = _paths(jax.tree_util.tree_unflatten(state_treedef, [0] * state_treedef.num_leaves))
+    paths = partition.treedef_paths(state_treedef)
     missing = [path for path in shared_paths if path not in paths]
     if missing:
         raise OffloadError(
@@ -320,7 +316,7 @@ class Programs:
         self._inner = inner
         self._treedef = plan.treedef
         self.shared_shapes = partition.init_shapes(inner, empty_view(plan))
-        paths = _paths(self.shared_shapes)
+        paths = partition.paths_of(self.shared_shapes)
         self._specs = [SubgroupSpec.of(inner, plan, subgroup, paths) for subgroup in plan.subgroups]
 
     def shared_of(self, subgroup: Subgroup, state_leaves: Sequence[Any]) -> list[Any]:

@@ -156,6 +156,16 @@ def owned_shards(leaf: Any) -> tuple[Shard, ...] | None:
     return tuple(Shard(box, device.id) for box, device in sorted(owners.items(), key=lambda kv: kv[1].id))
 
 
+def paths_of(tree: Any) -> list[str]:
+    """The ``keystr`` path of each leaf of ``tree``, in leaf order."""
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def treedef_paths(treedef: Any) -> list[str]:
+    """The ``keystr`` path of each leaf of any tree of structure ``treedef`` (a record's state fields)."""
+    return paths_of(jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves))
+
+
 def view_of(treedef: Any, num_leaves: int, pieces: Sequence[Piece], piece_values: Sequence[Any]) -> Any:
     """The user's tree with ``piece_values`` at their pieces' leaves and ``None`` elsewhere."""
     leaves: list[Any] = [None] * num_leaves
