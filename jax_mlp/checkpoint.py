@@ -110,7 +110,7 @@ class _SaveStream:
     def __init__(self, offloader: Offloader, pin: Pin, name: str):
         self.offloader = offloader
         self.pin = pin
-        plan, placement = offloader.plan, offloader.placement
+        plan, placement = offloader.plan, offloader.sharding
         self.layout = layout_of(offloader.inner, plan)
         primary = jax.process_index() == 0
         self.writes = tuple(
@@ -442,10 +442,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         arrays = _open_arrays(directory, offloader, args.params, saved)
         step = args.step if args.step is not None else saved.step or 0
 
-        def loader(plan: Plan) -> Any:
-            return _Restore(offloader.inner, plan, arrays, args.params).load
-
-        return offloader.init_from(args.params, step, loader)
+        plan = offloader.plan_for(args.params)
+        return offloader.init_from(args.params, step, _Restore(offloader.inner, plan, arrays, args.params).load)
 
     def metadata(self, directory: epath.Path) -> Any:
         """The item's orbax tree metadata: the shapes and dtypes of the standard layout."""
@@ -503,7 +501,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         engine.close()
         pin.release()
     placed = [
-        _placed(index, spec.shape, offloader.placement.shardings[index], getattr(like, "sharding", None), blocks)
+        _placed(index, spec.shape, offloader.sharding.shardings[index], getattr(like, "sharding", None), blocks)
         for index, (spec, like) in enumerate(zip(plan.leaves, likes, strict=True))
     ]
     return jax.tree_util.tree_unflatten(plan.treedef, placed)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from jax_mlp.errors import OffloadError
@@ -48,7 +49,8 @@ class Engine:
             return future.result(timeout=self.io_timeout)
         except concurrent.futures.TimeoutError:
             raise OffloadError(
-                f"{what} did not finish within io_timeout={self.io_timeout:g}s; the storage path may be hung"
+                f"{what} did not finish within io_timeout={self.io_timeout:g}s; the storage path may be hung: "
+                "check its device or mount, or raise io_timeout for a slow path"
             ) from None
 
     def settle(self, futures: Iterable[concurrent.futures.Future]) -> None:
@@ -79,22 +81,10 @@ class Engine:
         """
         start = time.perf_counter()
         read_wait = compute_time = write_wait = 0.0
-        pending = iter(order)
-        reads: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        reads = _ReadQueue(self._readers, fetch, order, self.prefetch_depth)
         writes: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
-
-        def read_ahead() -> None:
-            while len(reads) < self.prefetch_depth:
-                key = next(pending, None)
-                if key is None:
-                    return
-                reads.append((key, self._readers.submit(fetch, key)))
-
         try:
-            read_ahead()
-            while reads:
-                key, future = reads.popleft()
-                read_ahead()
+            for key, future in reads:
                 t0 = time.perf_counter()
                 fetched = self.result(future, f"reading subgroup {key}")
                 del future  # it holds the fetched fields too, which must go with ``fetched``
@@ -102,9 +92,7 @@ class Engine:
                 computed = compute(key, fetched)
                 del fetched
                 t2 = time.perf_counter()
-                while len(writes) >= self.write_depth:
-                    done_key, done = writes.popleft()
-                    self.result(done, f"storing subgroup {done_key}")
+                self._drain(writes, self.write_depth - 1)
                 t3 = time.perf_counter()
                 writes.append((key, self._writers.submit(store, key, computed)))
                 del computed
@@ -112,22 +100,26 @@ class Engine:
                 compute_time += t2 - t1
                 write_wait += t3 - t2
             t4 = time.perf_counter()
-            while writes:
-                done_key, done = writes.popleft()
-                self.result(done, f"storing subgroup {done_key}")
+            self._drain(writes, 0)
             write_wait += time.perf_counter() - t4
         except BaseException:
-            self.settle([f for _, f in reads] + [f for _, f in writes])
+            self.settle([f for _, f in reads.pending] + [f for _, f in writes])
             raise
         return Timings(time.perf_counter() - start, read_wait, compute_time, write_wait)
 
-    def read_ahead(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        """Runs ``fn(*args)`` on a reader thread now, for a later :meth:`run` to collect."""
-        return self._readers.submit(fn, *args)
+    def _drain(self, writes: collections.deque, keep: int) -> None:
+        """Waits for the oldest stores until at most ``keep`` are in flight."""
+        while len(writes) > keep:
+            key, future = writes.popleft()
+            self.result(future, f"storing subgroup {key}")
 
-    def submit_background(self, fn: Callable[..., None], *args: Any) -> None:
-        """Runs ``fn(*args)`` on a writer thread after the current update (idle-time I/O)."""
-        self._background.append(self._writers.submit(fn, *args))
+    def read_ahead(self, fetch: Callable[[int], Any], key: int) -> concurrent.futures.Future:
+        """Runs ``fetch(key)`` on a reader thread now, for a later :meth:`run` to collect (idle-time reads)."""
+        return self._readers.submit(fetch, key)
+
+    def write_behind(self, store: Callable[[int, Any], None], key: int, value: Any) -> None:
+        """Runs ``store(key, value)`` on a writer thread after the current run (idle-time writes)."""
+        self._background.append(self._writers.submit(store, key, value))
 
     def background_done(self) -> bool:
         """Whether the background work has finished (its errors are raised by :meth:`wait_background`)."""
@@ -149,3 +141,58 @@ class Engine:
         """Stops the threads; work not yet started is dropped."""
         self._readers.shutdown(wait=False, cancel_futures=True)
         self._writers.shutdown(wait=False, cancel_futures=True)
+
+
+class _ReadQueue:
+    """The reads of one run in order, submitted up to ``depth`` ahead of the one being consumed."""
+
+    def __init__(self, readers: Any, fetch: Callable[[int], Any], order: Iterable[int], depth: int):
+        self._readers, self._fetch, self._depth = readers, fetch, depth
+        self._order = iter(order)
+        self.pending: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while len(self.pending) < self._depth:
+            key = next(self._order, None)
+            if key is None:
+                return
+            self.pending.append((key, self._readers.submit(self._fetch, key)))
+
+    def __iter__(self) -> Iterator[tuple[int, concurrent.futures.Future]]:
+        while self.pending:
+            item = self.pending.popleft()
+            self._top_up()
+            yield item
+
+
+class ReadAhead:
+    """Reads started before a run, for the run's fetches to take: futures by key, behind a lock.
+
+    Reader threads take from it while the caller may still add or settle, so it is the one owner
+    of those futures.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: dict[int, concurrent.futures.Future] = {}
+
+    def add(self, key: int, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._futures[key] = future
+
+    def take(self, key: int) -> concurrent.futures.Future | None:
+        """The read of ``key`` started ahead, now owned by the caller, or None."""
+        with self._lock:
+            return self._futures.pop(key, None)
+
+    def keys(self) -> tuple[int, ...]:
+        """The keys read ahead and not yet taken, in the order they were started."""
+        with self._lock:
+            return tuple(self._futures)
+
+    def take_all(self) -> list[concurrent.futures.Future]:
+        """Every read not yet taken (to settle them)."""
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+            return futures

@@ -29,12 +29,12 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mlp import kernels
+from jax_mlp.blocks import Blocks
 from jax_mlp.errors import OffloadError
-from jax_mlp.kernels import Uniform
-from jax_mlp.partition import Piece, Plan
-from jax_mlp.placement import BlockKey, LeafPlacement
-from jax_mlp.step import IN_CALLBACK, Blocks, StateStream
+from jax_mlp.partition import Plan
+from jax_mlp.programs import Uniform, update_dtype
+from jax_mlp.sharding import BlockKey, LeafSharding
+from jax_mlp.step import IN_CALLBACK, StateStream
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class JitRoute:
     """
 
     def __init__(
-        self, plan: Plan, placement: LeafPlacement, leaves: Sequence[Any], stream: StateStream, peer_timeout: float
+        self, plan: Plan, placement: LeafSharding, leaves: Sequence[Any], stream: StateStream, peer_timeout: float
     ):
         self._plan = plan
         self._stream = stream
@@ -288,9 +288,7 @@ class JitRoute:
         if self.layout is None:
             raise ValueError(self._unusable)
         shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
-        out_blocks = [
-            jax.ShapeDtypeStruct(shape, kernels.update_dtype(self._plan, i)) for i, shape in enumerate(shapes)
-        ]
+        out_blocks = [jax.ShapeDtypeStruct(shape, update_dtype(self._plan, i)) for i, shape in enumerate(shapes)]
         return host_update(self.layout, self._on_device, grads, params, step, uniform, out_blocks)
 
     def _on_device(
@@ -319,25 +317,30 @@ class JitRoute:
                 f"an earlier in-jit update of this mlp_offload failed ({self._failure}); its step is intact "
                 "on storage: close this mlp_offload and create it again with resume=True"
             )
-        n, host = len(self._plan.leaves), self.layout.host
-        whole = next(iter(blocks_by_device))  # the device of leaves on one device (a one-device mesh)
-
-        @functools.cache
-        def on_host(device: int, index: int) -> jax.Array:  # only owners' blocks are used
-            return jax.device_put(blocks_by_device[device][index], host)
-
-        def block_of(offset: int) -> Callable[[Piece], jax.Array]:
-            return lambda p: on_host(whole if p.device is None else p.device, offset + p.leaf)
-
-        has_params = len(blocks_by_device[whole]) > n
-        blocks = Blocks(block_of(0), block_of(n) if has_params else None, lambda _: host, uniform)
         try:
-            with jax.default_device(host):
+            blocks = self._blocks_on(self.layout.host, blocks_by_device, uniform)
+            with jax.default_device(self.layout.host):
                 results = self._stream.run_step(step, blocks, IN_CALLBACK)
         except BaseException as error:
             self._failure = f"{type(error).__name__}: {error}"
             raise
         return {key: np.asarray(value) for key, value in results.items()}  # this thread waits: see step.IN_CALLBACK
+
+    def _blocks_on(
+        self, host: jax.Device, blocks_by_device: dict[int, Sequence[np.ndarray]], uniform: Uniform
+    ) -> Blocks:
+        """Every device's owned grad (and param) blocks, put on the host CPU device, where every subgroup runs."""
+        plan = self._plan
+        n = len(plan.leaves)
+        whole = next(iter(blocks_by_device))  # the device of leaves on one device (a one-device mesh)
+        keys = {(p.leaf, p.device) for subgroup in plan.subgroups for p in subgroup.pieces}
+
+        def put(offset: int) -> dict[BlockKey, jax.Array]:
+            on_device = {key: blocks_by_device[whole if key[1] is None else key[1]] for key in keys}
+            return {key: jax.device_put(values[offset + key[0]], host) for key, values in on_device.items()}
+
+        params = put(n) if len(blocks_by_device[whole]) > n else None
+        return Blocks(put(0), params, [host] * len(plan.subgroups), uniform)
 
     def settle(self) -> None:
         """Waits for the jitted updates still queued on the devices, so none meets closed tiers.

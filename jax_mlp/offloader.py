@@ -7,7 +7,6 @@ each update to its :class:`~jax_mlp.step.StateStream`: eagerly, or through the i
 
 from __future__ import annotations
 
-import functools
 import itertools
 import warnings
 from collections.abc import Callable
@@ -18,62 +17,49 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlp import accumulation, dependence, inputs, kernels, partition, peers, resume
+from jax_mlp import accumulation, dependence, inputs, partition, peers, resume
+from jax_mlp.blocks import Blocks, NewParams
+from jax_mlp.calls import Call, CallChecks
 from jax_mlp.config import OffloadConfig, parse_rate
+from jax_mlp.engine import Engine
 from jax_mlp.errors import OffloadError
-from jax_mlp.in_jit import JitRoute
-from jax_mlp.kernels import Uniform
+from jax_mlp.in_jit import JitLayout, JitRoute
 from jax_mlp.partition import Plan
-from jax_mlp.placement import LeafPlacement
+from jax_mlp.programs import Programs, update_dtype
 from jax_mlp.scheduler import Scheduler
+from jax_mlp.sharding import LeafSharding
+from jax_mlp.state import OffloadState
 from jax_mlp.stats import UpdateStats
-from jax_mlp.step import EAGER, LATE_PUT, Blocks, NewParams, StateStream
-from jax_mlp.storage.paths import open_paths, release_paths
-from jax_mlp.storage.tier_stack import Pin
+from jax_mlp.step import EAGER, LATE_PUT, StateStream
+from jax_mlp.storage.cache import HostCache
+from jax_mlp.storage.paths import PathStore, open_paths, release_paths
+from jax_mlp.storage.probe import starting_speed
+from jax_mlp.storage.record import HEADER_SIZE, record_codec
+from jax_mlp.storage.tier_stack import Pin, TierStack
+
+__all__ = ["OffloadState", "Offloader"]
 
 _INSTANCES = itertools.count()  # names this process's offloaders alike in every process, for barriers
-
-
-class OffloadState(NamedTuple):
-    """The optimizer state the user holds: the number of updates applied, and the shared state.
-
-    The inner optimizer's state is in the tiers; ``step`` ties this handle to the step they hold.
-    ``shared`` is the part of the inner state that every subgroup holds alike: ``inner.init`` of
-    the params with ``None`` for every leaf (counts, injected hyperparameters; None before ``init``).
-    Read it to log it; replace a value between updates (``state.hyperparams["learning_rate"] = 1e-4``)
-    and the next update gives it to every subgroup. With ``accumulate_steps > 1`` it also carries the
-    accumulation window, on the device.
-
-    Attributes:
-      step: the updates applied so far (int32 scalar).
-      shared: the shared inner state (see above).
-      mini_step: the calls accumulated since the last update, or None without accumulation.
-      acc_grads: the running mean of those calls' gradients, a tree like the params in
-        ``accumulator_dtype``, or None without accumulation.
-    """
-
-    step: jax.Array
-    shared: Any = None
-    mini_step: jax.Array | None = None
-    acc_grads: Any = None
-
-    @property
-    def hyperparams(self) -> dict[str, Any]:
-        """The injected hyperparameters of an ``optax.inject_hyperparams`` inner optimizer, as in optax."""
-        if not hasattr(self.shared, "hyperparams"):
-            raise AttributeError(
-                "this OffloadState has no hyperparams: the inner optimizer is not made with optax.inject_hyperparams"
-            )
-        return self.shared.hyperparams
 
 
 class _Live(NamedTuple):
     """What an initialised offloader runs with."""
 
     plan: Plan
-    placement: LeafPlacement
+    sharding: LeafSharding
     stream: StateStream
     jit: JitRoute
+    calls: CallChecks
+
+
+class _Planned(NamedTuple):
+    """The plan of some params, with what ``init`` needs of them besides."""
+
+    key: Any
+    plan: Plan
+    sharding: LeafSharding
+    leaves: list[Any]
+    notes: dict[str, Any]
 
 
 class ClosesOnExit:
@@ -116,7 +102,7 @@ class Offloader(ClosesOnExit):
         self._run_key = f"jax_mlp/{next(_INSTANCES)}"
         self._live: _Live | None = None
         self._closed = False
-        self._checked_extra_args = {config.extra_args}  # signatures the optimizer check has passed
+        self._last_plan: _Planned | None = None
 
     # ----------------------------------------------------------------------------- read-only views
 
@@ -126,9 +112,9 @@ class Offloader(ClosesOnExit):
         return None if self._live is None else self._live.plan
 
     @property
-    def placement(self) -> LeafPlacement:
+    def sharding(self) -> LeafSharding:
         """Each leaf's sharding and owned shards, as at ``init``."""
-        return self._require_live().placement
+        return self._require_live().sharding
 
     @property
     def step(self) -> int:
@@ -142,20 +128,59 @@ class Offloader(ClosesOnExit):
 
     @property
     def scheduler(self) -> Scheduler:
-        """The live placement and order policy (``placement``, ``speeds``, ``moves``)."""
+        """The live order and placement policy, for reading (``placement``, ``shares``, ``speeds``, ``moves``)."""
         return self._require_live().stream.scheduler
 
     @property
-    def stream(self) -> StateStream:
-        """The live :class:`~jax_mlp.step.StateStream`: its ``tiers``, ``prefetched`` and ``programs``."""
-        return self._require_live().stream
+    def prefetched(self) -> tuple[int, ...]:
+        """The subgroups read ahead in idle time for the next update, in the order they were started."""
+        return self._require_live().stream.prefetched
 
     @property
-    def jit_route(self) -> JitRoute:
-        """The in-jit route: its ``layout`` (mesh, specs, host device), or None where it cannot serve."""
-        return self._require_live().jit
+    def idle_io_done(self) -> bool:
+        """Whether the idle-time write-back started by the last update has finished."""
+        return self._require_live().stream.engine.background_done()
+
+    @property
+    def jit_layout(self) -> JitLayout | None:
+        """The mesh, specs and host CPU device the in-jit route runs on, or None where it cannot serve."""
+        return self._require_live().jit.layout
 
     # ----------------------------------------------------------------------------- lifecycle
+
+    def plan_for(self, params: Any) -> Plan:
+        """The subgroups ``init`` gives these params (their shapes and dtypes), after the optimizer check.
+
+        ``init`` and :meth:`init_from` reuse it, so a restore can read its checkpoint by the plan first.
+
+        Raises:
+          CoupledOptimizerError: the optimizer couples leaves; ``OffloadError`` for other refusals.
+        """
+        return self._planned(params).plan
+
+    def _planned(self, params: Any) -> _Planned:
+        params = inputs.as_arrays(params)
+        inputs.check_has_leaves(params)
+        leaves = jax.tree_util.tree_leaves(params)
+        key = (jax.tree_util.tree_structure(params), tuple(_signature(x) for x in leaves))
+        if self._last_plan is not None and self._last_plan.key == key:
+            return self._last_plan._replace(leaves=leaves)
+        sharding = LeafSharding.of(leaves)
+        config = self.config
+        check = dependence.check_optimizer(self.inner, params, config.master_dtype, dict(config.extra_args))
+        plan = partition.make_plan(
+            params,
+            self.inner,
+            config.subgroup_size,
+            config.master_dtype,
+            sharding.shards,
+            whole_leaves=check.whole_leaves,
+        )
+        oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
+        _warn_of(oversized, plan, config.subgroup_size)
+        notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
+        self._last_plan = _Planned(key, plan, sharding, leaves, notes)
+        return self._last_plan
 
     def init(self, params: Any) -> OffloadState:
         """Plans the subgroups and streams the inner optimizer's initial state out to the tiers.
@@ -166,27 +191,31 @@ class Offloader(ClosesOnExit):
         """
         if self.resume:
             return self._initialise(params, self._resume)
-        leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(inputs.as_arrays(params))]
-        return self._initialise(params, lambda live: live.stream.write_initial_state(leaves, live.placement))
 
-    def init_from(self, params: Any, step: int, loader: Callable[[Plan], Callable[[int], tuple]]) -> OffloadState:
+        def write_initial_state(live: _Live, leaves: list[Any]) -> None:
+            leaves = [jnp.asarray(x) for x in leaves]
+            live.stream.write_initial_state(live.sharding.block_map(leaves), live.sharding.devices(live.plan, leaves))
+
+        return self._initialise(params, write_initial_state)
+
+    def init_from(self, params: Any, step: int, load: Callable[[int], tuple]) -> OffloadState:
         """Like :meth:`init`, but the tiers start at ``step`` with a given state (a checkpoint restore).
 
         Args:
           params: the params, or their ``jax.ShapeDtypeStruct``s: only shapes and dtypes are used.
           step: the step the restored state is at.
-          loader: called with the plan; returns a function that maps a subgroup index to its state
-            leaves and master leaves (numpy arrays shaped as in its record layout). That function is
-            called once per subgroup, on reader threads.
+          load: maps a subgroup index of :meth:`plan_for` ``(params)`` to its state leaves and master
+            leaves (numpy arrays shaped as in its record layout); called once per subgroup, on
+            reader threads.
 
         Returns:
           The :class:`OffloadState` at ``step``.
         """
         if self.resume:
             raise OffloadError("init_from writes a fresh state: create the mlp_offload without resume=True")
-        return self._initialise(params, lambda live: live.stream.write_restored_state(step, loader(live.plan)))
+        return self._initialise(params, lambda live, _: live.stream.write_restored_state(step, load))
 
-    def _initialise(self, params: Any, populate: Callable[[_Live], None]) -> OffloadState:
+    def _initialise(self, params: Any, populate: Callable[[_Live, list[Any]], None]) -> OffloadState:
         """Plans, opens the tiers, fills them with ``populate``, marks the paths."""
         accumulation.refuse_multisteps()
         if inputs.is_traced(params):
@@ -197,34 +226,19 @@ class Offloader(ClosesOnExit):
         if self._live is not None:
             raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
         self._check_open()
-        params = inputs.as_arrays(params)
-        inputs.check_has_leaves(params)
-        leaves = jax.tree_util.tree_leaves(params)
-        placement = LeafPlacement.of(leaves)
-        config = self.config
-        check = dependence.check_optimizer(self.inner, params, config.master_dtype, dict(config.extra_args))
-        plan = partition.make_plan(
-            params,
-            self.inner,
-            config.subgroup_size,
-            config.master_dtype,
-            placement.shards,
-            whole_leaves=check.whole_leaves,
-        )
-        oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
-        _warn_of(oversized, plan, config.subgroup_size)
-        notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
+        planned = self._planned(params)
+        config, plan = self.config, planned.plan
         paths = open_paths(
             config.paths, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock
         )
         stream = None
         try:
             resume.check_paths(paths, plan, resume=self.resume)
-            stream = StateStream(
-                self.inner, config, plan, paths, run_key=self._run_key, on_stats=self.on_stats, init_notes=notes
-            )
-            live = _Live(plan, placement, stream, JitRoute(plan, placement, leaves, stream, config.peer_timeout))
-            populate(live)
+            stream = _open_stream(self.inner, config, plan, paths, self._run_key, self.on_stats, planned.notes)
+            jit = JitRoute(plan, planned.sharding, planned.leaves, stream, config.peer_timeout)
+            calls = CallChecks(self.inner, plan, stream.programs, config.accumulate_steps, config.extra_args)
+            live = _Live(plan, planned.sharding, stream, jit, calls)
+            populate(live, planned.leaves)
             for path in paths:
                 path.write_run_file(resume.run_identity(plan))
             if jax.process_count() > 1:
@@ -235,8 +249,8 @@ class Offloader(ClosesOnExit):
             release_paths(paths)  # a live offload holds them until close; a failed init lets go
             raise
         self._live = live
-        shared = jax.tree_util.tree_unflatten(_treedef(stream), [jnp.asarray(x) for x in stream.shared])
-        return self._state_at(jnp.asarray(stream.step, jnp.int32), shared, plan, leaves)
+        shared = calls.shared_of([jnp.asarray(x) for x in stream.shared])
+        return self._state_at(jnp.asarray(stream.step, jnp.int32), shared, plan, planned.leaves)
 
     def _state_at(self, step: jax.Array, shared: Any, plan: Plan, params: list[Any]) -> OffloadState:
         """The handle at ``step``, with an empty accumulation window when accumulating."""
@@ -247,7 +261,7 @@ class Offloader(ClosesOnExit):
             step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
         )
 
-    def _resume(self, live: _Live) -> None:
+    def _resume(self, live: _Live, _: list[Any]) -> None:
         step, locations = resume.last_complete_step(
             live.stream.engine,
             live.stream.tiers.paths,
@@ -257,9 +271,12 @@ class Offloader(ClosesOnExit):
         )
         live.stream.resume_at(step, locations)
 
-    def _require_live(self) -> _Live:
+    def _require_live(self, verb: str | None = None) -> _Live:
         if self._live is None:
-            raise OffloadError("this mlp_offload has not been initialised: call init (or restore a checkpoint) first")
+            called = "" if verb is None else f".{verb} was called before init; "
+            raise OffloadError(
+                f"this mlp_offload{called or ' has not been initialised: '}call init (or restore a checkpoint) first"
+            )
         return self._live
 
     def _check_open(self) -> None:
@@ -336,83 +353,65 @@ class Offloader(ClosesOnExit):
         Called inside ``jax.jit``, it traces the in-jit route instead (see :mod:`jax_mlp.in_jit`).
         With ``accumulate_steps=k``, only every k-th call streams, with the mean of the k calls' gradients.
         """
-        live = self._check_state(state)
-        grads, param_leaves = inputs.check_update_inputs(live.plan, updates, params)
-        extra = self._checked_extra(live.plan, extra_args)
-        shared = self._checked_shared(live, state)
-        traced = inputs.is_traced((grads, state, param_leaves, extra))
-        if traced:
-            accumulation.refuse_multisteps()
-        stream = functools.partial(self._stream, live, param_leaves=param_leaves, extra=extra, traced=traced)
-        if self.config.accumulate_steps > 1:
-            leaves, state = self._accumulate(live, grads, state, shared, stream, traced)
+        live = self._live_for("update")
+        call = live.calls.check("update", updates, state, params, extra_args)
+        if call.traced:
+            leaves, state = self._update_in_jit(live, call, state)
+        elif self.config.accumulate_steps > 1:
+            leaves, state = self._accumulate(live, call, state)
         else:
-            leaves, step, shared = stream(grads, state.step, shared)
+            leaves, step, shared = self._stream(live, call, call.grads, state.step)
             state = OffloadState(step, shared)
         return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), state
 
-    def _accumulate(
-        self, live: _Live, grads: list, state: OffloadState, shared: Any, stream: Callable, traced: bool
-    ) -> tuple[list, OffloadState]:
-        """One call of an accumulation window: folds the grads in; the window's last call streams their mean.
+    def _update_in_jit(self, live: _Live, call: Call, state: OffloadState) -> tuple[list, OffloadState]:
+        """Traces the update as the in-jit route's host callbacks (see :mod:`jax_mlp.in_jit`).
 
-        Eager only. Traced, the choice would be a ``lax.cond`` around the in-jit route's host callback,
+        Accumulation is refused here: its choice would be a ``lax.cond`` around the host callback,
         and that was seen to deadlock XLA's CPU runtime now and then (the callback's device work
-        waiting behind the caller's next step), so it is refused rather than left to hang. The shared
-        state moves on only with the update, as the inner state does in ``optax.MultiSteps``.
+        waiting behind the caller's next step), so it is refused rather than left to hang.
+        """
+        accumulation.refuse_multisteps()
+        if self.config.accumulate_steps > 1:
+            raise OffloadError(
+                f"mlp_offload with accumulate_steps={self.config.accumulate_steps} was called inside jax.jit; "
+                "accumulation runs eagerly: call tx.update (or nnx.Optimizer.update) outside jit, with the jitted "
+                "loss and gradients before it, or accumulate in your jitted step and create the mlp_offload "
+                "without accumulate_steps"
+            )
+        uniform, new_shared = live.calls.uniform(call)
+        return live.jit.trace(call.grads, call.params, state.step, uniform), OffloadState(state.step + 1, new_shared)
+
+    def _accumulate(self, live: _Live, call: Call, state: OffloadState) -> tuple[list, OffloadState]:
+        """One eager call of an accumulation window: folds the grads in; the window's last call streams their mean.
+
+        The shared state moves on only with the update, as the inner state does in ``optax.MultiSteps``.
         """
         config, plan = self.config, live.plan
-        if traced:
-            raise OffloadError(
-                f"mlp_offload with accumulate_steps={config.accumulate_steps} was called inside jax.jit; accumulation "
-                "runs eagerly: call tx.update (or nnx.Optimizer.update) outside jit, with the jitted loss and "
-                "gradients before it, or accumulate in your jitted step and create the mlp_offload without "
-                "accumulate_steps"
-            )
         window = accumulation.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
-        means, carried = accumulation.add(grads, window, config.accumulator_dtype)
+        means, carried = accumulation.add(call.grads, window, config.accumulator_dtype)
         if int(window.mini_step) < config.accumulate_steps - 1:
             live.stream.check_step(int(state.step))
             live.stream.use_idle_window()
-            dtypes = tuple(kernels.update_dtype(plan, i) for i in range(len(plan.leaves)))
-            leaves, step, window = accumulation.zero_updates(grads, dtypes), state.step, carried
+            dtypes = tuple(update_dtype(plan, i) for i in range(len(plan.leaves)))
+            leaves, step, shared, window = (
+                accumulation.zero_updates(call.grads, dtypes),
+                state.step,
+                call.shared,
+                carried,
+            )
         else:
-            leaves, step, shared = stream(means, state.step, shared)
+            leaves, step, shared = self._stream(live, call, means, state.step)
             window = accumulation.empty_window(carried.acc_grads, config.accumulator_dtype)
-        return leaves, OffloadState(
-            step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
-        )
+        acc_grads = jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
+        return leaves, OffloadState(step, shared, window.mini_step, acc_grads)
 
-    def _stream(
-        self,
-        live: _Live,
-        grads: list,
-        step: jax.Array,
-        shared: Any,
-        *,
-        param_leaves: list | None,
-        extra: dict,
-        traced: bool,
-    ) -> tuple[list, jax.Array, Any]:
-        """One update from ``step``: the update leaves, the new step and the new shared state.
-
-        Eagerly, or by the in-jit route when traced.
-        """
-        uniform, new_shared = self._uniform(live, shared, extra)
-        if traced:
-            return live.jit.trace(grads, param_leaves, step, uniform), step + 1, new_shared
-        placement = live.placement
-        home = placement.home(grads)
-        grad_blocks = placement.blocks(grads)
-        param_blocks = None if param_leaves is None else placement.blocks(param_leaves)
-        blocks = Blocks(
-            lambda p: grad_blocks[p.leaf][p.device],
-            None if param_blocks is None else lambda p: param_blocks[p.leaf][p.device],
-            lambda subgroup: placement.device_of(subgroup, home),
-            uniform,
-        )
+    def _stream(self, live: _Live, call: Call, grads: list, step: jax.Array) -> tuple[list, jax.Array, Any]:
+        """One eager update from ``step`` with ``grads``: the update leaves, the new step and the new shared state."""
+        uniform, new_shared = live.calls.uniform(call)
+        blocks = Blocks.of(live.plan, live.sharding, grads, call.params, uniform)
         results = live.stream.run_step(int(step), blocks, EAGER)
-        return placement.assemble(live.plan, results), jnp.asarray(live.stream.step, jnp.int32), new_shared
+        return live.sharding.assemble(live.plan, results), jnp.asarray(live.stream.step, jnp.int32), new_shared
 
     def apply(self, grads: Any, state: OffloadState, params: Any, **extra_args: Any) -> tuple[Any, OffloadState]:
         """The fused ``update`` plus ``optax.apply_updates``: the new params, written over the old ones.
@@ -443,90 +442,81 @@ class Offloader(ClosesOnExit):
           OffloadError: called inside ``jax.jit`` (use ``update`` and ``optax.apply_updates`` there),
             or an array is given twice among params and grads.
         """
-        live = self._check_state(state)
-        if params is None:
-            raise OffloadError("mlp_offload.apply needs the params: call tx.apply(grads, opt_state, params)")
-        if self.config.accumulate_steps > 1:
-            raise OffloadError(
-                f"mlp_offload.apply does not accumulate gradients (accumulate_steps={self.config.accumulate_steps}); "
-                "use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, or average "
-                "the micro-batches' gradients yourself and create the mlp_offload without accumulate_steps"
-            )
-        grad_leaves, param_leaves = inputs.check_update_inputs(live.plan, grads, params)
-        extra = self._checked_extra(live.plan, extra_args)
-        uniform, new_shared = self._uniform(live, self._checked_shared(live, state), extra)
-        if inputs.is_traced((grad_leaves, state, param_leaves, uniform)):
-            raise OffloadError(
-                "mlp_offload.apply was called inside a jax transformation (jit, grad, ...); it runs eagerly. Inside "
-                "jit use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, donating "
-                "the params to the jitted step"
-            )
-        inputs.check_distinct(live.plan, grad_leaves, param_leaves)
+        live = self._live_for("apply")
+        call = live.calls.check("apply", grads, state, params, extra_args)
+        _refuse_to_apply(call, self.config.accumulate_steps)
+        inputs.check_distinct(live.plan, call.grads, call.params)
         del grads, params
-        placement = live.placement
-        home = placement.home(param_leaves)
-        grad_blocks = placement.blocks(grad_leaves)
-        param_blocks = {
-            (leaf, device): block
-            for leaf, by_device in enumerate(placement.blocks(param_leaves))
-            for device, block in by_device.items()
-        }
-
-        def release(leaf: int) -> None:
-            grad_blocks[leaf] = {}
-            grad_leaves[leaf].delete()
-
-        blocks = Blocks(
-            lambda p: grad_blocks[p.leaf][p.device], None, lambda subgroup: placement.device_of(subgroup, home), uniform
-        )
-        results = NewParams(live.plan, param_blocks, release)
-        del param_blocks
-        new_leaves = placement.assemble(live.plan, live.stream.run_step(int(state.step), blocks, LATE_PUT, results))
-        for leaf in param_leaves:  # the replicas an owner's new block was copied to
+        uniform, new_shared = live.calls.uniform(call)
+        blocks = Blocks.of(live.plan, live.sharding, call.grads, None, uniform)
+        results = NewParams(live.plan, live.sharding.block_map(call.params), call.grads, blocks.grads)
+        new_leaves = live.sharding.assemble(live.plan, live.stream.run_step(int(state.step), blocks, LATE_PUT, results))
+        for leaf in call.params:  # the replicas an owner's new block was copied to
             leaf.delete()
         new_params = jax.tree_util.tree_unflatten(live.plan.treedef, new_leaves)
         return new_params, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
 
-    def _checked_shared(self, live: _Live, state: OffloadState) -> Any:
-        """The handle's shared state, checked against the plan's, as a tree."""
-        shared = inputs.check_shared(live.stream.programs.shared_shapes, state.shared)
-        return jax.tree_util.tree_unflatten(_treedef(live.stream), shared)
-
-    def _uniform(self, live: _Live, shared: Any, extra: dict[str, jax.Array]) -> tuple[Uniform, Any]:
-        """What every subgroup is given alike (the shared state, its successor, the extra args), and that successor."""
-        new_shared = live.stream.programs.shared_update(shared, extra)
-        leaves = jax.tree_util.tree_leaves
-        return Uniform(tuple(leaves(shared)), tuple(leaves(new_shared)), extra), new_shared
-
-    def _checked_extra(self, plan: Plan, extra_args: dict[str, Any]) -> dict[str, jax.Array]:
-        """The extra arguments as arrays; the optimizer is checked with each new combination of their shapes."""
-        extra = inputs.extra_arrays(extra_args)
-        signature = tuple(sorted((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in extra.items()))
-        if signature not in self._checked_extra_args:
-            dependence.check_extra_args(self.inner, plan, extra)
-            self._checked_extra_args.add(signature)
-        return extra
-
-    def _check_state(self, state: Any) -> _Live:
-        if not isinstance(state, OffloadState):
-            raise TypeError(
-                f"mlp_offload.update expects the OffloadState returned by its init, got {type(state).__name__}"
-            )
-        if self._live is None:
-            raise OffloadError("mlp_offload.update was called before init")
+    def _live_for(self, verb: str) -> _Live:
+        """The live state for a call of ``verb``, refusing one before ``init`` or after ``close``."""
+        live = self._require_live(verb)
         self._check_open()
-        accumulating = self.config.accumulate_steps > 1
-        if accumulating != (state.mini_step is not None and state.acc_grads is not None):
-            have = "has no accumulation window" if accumulating else "carries an accumulation window"
-            raise OffloadError(
-                f"this mlp_offload has accumulate_steps={self.config.accumulate_steps}, but the opt_state passed to "
-                f"update {have}: pass the OffloadState that this mlp_offload's init (or restore) returned"
-            )
-        return self._live
+        return live
 
 
-def _treedef(stream: StateStream) -> Any:
-    return jax.tree_util.tree_structure(stream.programs.shared_shapes)
+def _open_stream(
+    inner: optax.GradientTransformationExtraArgs,
+    config: OffloadConfig,
+    plan: Plan,
+    paths: list[PathStore],
+    run_key: str,
+    on_stats: Callable[[UpdateStats], None] | None,
+    notes: dict[str, Any],
+) -> StateStream:
+    """The state stream of ``plan`` on opened ``paths``: its programs, scheduler (from each path's
+    declared or probed speed), tiers and engine."""
+    scheduler = Scheduler(
+        [HEADER_SIZE + subgroup.layout.nbytes for subgroup in plan.subgroups],
+        [starting_speed(path, config.probe) for path in config.paths],
+        order=config.order,
+        placement=config.placement,
+        rebalance=config.rebalance,
+    )
+    tiers = TierStack(HostCache(config.host_cache), paths, plan.layout_hash, record_codec(plan))
+    engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
+    return StateStream(
+        config,
+        plan,
+        Programs(inner, plan),
+        scheduler,
+        tiers,
+        engine,
+        run_key=run_key,
+        on_stats=on_stats,
+        init_notes=notes,
+    )
+
+
+def _signature(leaf: Any) -> tuple:
+    """What a plan depends on of a param leaf: its shape, dtype and sharding."""
+    return tuple(np.shape(leaf)), jnp.result_type(leaf), getattr(leaf, "sharding", None)
+
+
+def _refuse_to_apply(call: Call, accumulate_steps: int) -> None:
+    """Refuses an ``apply`` without params, inside a transformation, or with accumulation."""
+    if call.params is None:
+        raise OffloadError("mlp_offload.apply needs the params: call tx.apply(grads, opt_state, params)")
+    if accumulate_steps > 1:
+        raise OffloadError(
+            f"mlp_offload.apply does not accumulate gradients (accumulate_steps={accumulate_steps}); use updates, "
+            "opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, or average the "
+            "micro-batches' gradients yourself and create the mlp_offload without accumulate_steps"
+        )
+    if call.traced:
+        raise OffloadError(
+            "mlp_offload.apply was called inside a jax transformation (jit, grad, ...); it runs eagerly. Inside "
+            "jit use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, donating "
+            "the params to the jitted step"
+        )
 
 
 def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:

@@ -104,16 +104,8 @@ class Scheduler:
         ascending = list(range(len(self.record_bytes)))
         return ascending[::-1] if self.order_kind == "alternate" and step % 2 else ascending
 
-    def path_of(self, subgroup: int) -> int:
-        """The index of the path that ``subgroup``'s next record goes to."""
-        return self.placement[subgroup]
-
-    def subgroups_per_path(self) -> list[int]:
-        """How many subgroups the placement gives each path."""
-        return [self.placement.count(index) for index in range(len(self.speeds))]
-
-    def observe(self, usages: Sequence[Usage]) -> bool:
-        """Learns from what each path moved since the last call; returns whether the split changed.
+    def observe(self, usages: Sequence[Usage]) -> None:
+        """Learns from what each path moved since the last call, and moves subgroups if the split changed.
 
         A path's throughput is its bytes over its busy time, with writes weighted by the current
         read/write bandwidth ratio, so one busy timeline updates both of its bandwidths.
@@ -131,11 +123,10 @@ class Scheduler:
             self.speeds[index] = speed._replace(read_bandwidth=estimate, write_bandwidth=estimate / ratio)
             busy.append(usage.busy_seconds)
         if not self.rebalance or len(busy) < 2 or max(busy) <= (1 + self.tolerance) * min(busy):
-            return False
+            return
         shares = self._target_shares()
         if max(abs(a - b) for a, b in zip(shares, self.shares, strict=True)) < _MIN_SHARE_CHANGE:
-            return False
+            return
         placement = shift_placement(self.placement, self.record_bytes, shares)
         self.moves += sum(a != b for a, b in zip(placement, self.placement, strict=True))
         self.shares, self.placement = shares, placement
-        return True

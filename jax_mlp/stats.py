@@ -185,7 +185,14 @@ def format_bytes(nbytes: float) -> str:
 
 
 class IOCounters:
-    """Thread-safe counters of bytes per path and cache hits, and timed events, since the last ``reset``."""
+    """Thread-safe tallies of one call since the last ``reset``: bytes per path, cache hits, timed events.
+
+    Reader, writer and compute threads hand it what they did (the tier stack's transfers, duck-typed
+    as ``(kind, path index, subgroup, nbytes, start, end)``); it calls nothing.
+
+    Args:
+      paths: the paths' names, in index order.
+    """
 
     def __init__(self, paths: list[str]):
         self._paths = paths
@@ -200,28 +207,26 @@ class IOCounters:
             self.cache_misses = 0
             self._events: list[IOEvent] = []
 
-    def read(self, path: str, nbytes: int, *, subgroup: int = -1, started: float | None = None) -> None:
-        """Counts a record read from ``path``; with ``started`` (a ``time.perf_counter()``), times it too."""
+    def count(self, transfer: Any) -> None:
+        """Counts one record read or written (a :class:`~jax_mlp.storage.tier_stack.Transfer`)."""
+        path = self._paths[transfer.path]
+        event = IOEvent(transfer.kind, path, transfer.subgroup, transfer.start, transfer.end)
         with self._lock:
-            self.bytes_read[path] += nbytes
-            self.cache_misses += 1
-        if started is not None:
-            self.event("read", path, subgroup, started)
-
-    def wrote(self, path: str, nbytes: int, *, subgroup: int = -1, started: float | None = None) -> None:
-        """Counts a record written to ``path``; with ``started``, times it too."""
-        with self._lock:
-            self.bytes_written[path] += nbytes
-        if started is not None:
-            self.event("write", path, subgroup, started)
+            if transfer.kind == "read":
+                self.bytes_read[path] += transfer.nbytes
+                self.cache_misses += 1
+            else:
+                self.bytes_written[path] += transfer.nbytes
+            self._events.append(event)
 
     def hit(self) -> None:
+        """Counts a subgroup the host cache served."""
         with self._lock:
             self.cache_hits += 1
 
-    def event(self, kind: str, path: str | None, subgroup: int, started: float) -> None:
-        """Records that ``kind`` work on ``subgroup`` ran from ``started`` (``time.perf_counter()``) until now."""
-        event = IOEvent(kind, path, subgroup, started, time.perf_counter())
+    def computed(self, subgroup: int, started: float) -> None:
+        """Records that ``subgroup``'s program was dispatched from ``started`` (``time.perf_counter()``) until now."""
+        event = IOEvent("compute", None, subgroup, started, time.perf_counter())
         with self._lock:
             self._events.append(event)
 

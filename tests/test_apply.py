@@ -66,10 +66,10 @@ def test_bf16_apply_is_the_master_cast_bitwise_as_update_plus_apply_updates(tmp_
     for got, want in zip(jax.tree.leaves(p_apply), jax.tree.leaves(p_update), strict=True):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
-    tx.flush()
     leaves = jax.tree.leaves(p_apply)
+    pin = tx.offloader.pin()
     for subgroup in tx.offloader.plan.subgroups:  # apply writes exactly the new master's cast
-        _, master = tx.offloader.stream.tiers.fetch(subgroup.index, STEPS)
+        _, master = tx.offloader.read_pinned(pin, subgroup.index)
         for piece, value in zip(subgroup.pieces, master, strict=True):
             leaf = np.asarray(leaves[piece.leaf])
             got = leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]]

@@ -296,7 +296,7 @@ def test_the_needed_room_bounds_what_a_path_then_holds(tmp_path):
     """The figure is close to the truth: once updates have filled both slots, the path's run directory
     takes at most what the check asked for, and no less than that without its headroom."""
     tx, params, state = start([tmp_path / "nvme"], host_cache=0)
-    record_bytes = tx.offloader.stream.scheduler.record_bytes
+    record_bytes = [HEADER_SIZE + subgroup.layout.nbytes for subgroup in tx.offloader.plan.subgroups]
     train(tx, params, state, range(2))
     tx.flush()
     used, need = disk_bytes(tmp_path / "nvme" / "proc0000"), capacity.need(record_bytes)

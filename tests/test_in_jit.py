@@ -58,7 +58,7 @@ def test_sharded_update_inside_jit_matches_optax_keeps_shardings_and_stores_once
     inner = OPTIMIZERS["adamw_mask"]()
     tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB")
     params = train_keeping_shardings(tx, inner, params, jax.jit(tx.update))
-    assert tx.offloader.jit_route.layout.host not in mesh.devices.flat, "the update must run outside the mesh"
+    assert tx.offloader.jit_layout.host not in mesh.devices.flat, "the update must run outside the mesh"
     assert_stored_once(tx, inner, params)
 
 

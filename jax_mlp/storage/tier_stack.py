@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class Pin:
         with self._condition:
             return not self._unread
 
-    def blocks(self, subgroup: int, path: int, slot: int | None = None) -> bool:
+    def keeps(self, subgroup: int, path: int, slot: int | None = None) -> bool:
         """Whether ``subgroup``'s pinned record is unread and on ``path`` (in ``slot``, if given)."""
         with self._condition:
             unread = subgroup in self._unread and self.locations[subgroup] == path
@@ -67,35 +68,81 @@ class Pin:
                 )
 
 
+class Transfer(NamedTuple):
+    """One record moved between host RAM and a path, as the tier stack reports it to its caller.
+
+    Attributes:
+      kind: ``"read"`` or ``"write"``.
+      path: the index of the path.
+      subgroup: the record's subgroup.
+      nbytes: the record's size, header included.
+      start: when the transfer started (``time.perf_counter()``).
+      end: when it ended.
+    """
+
+    kind: str
+    path: int
+    subgroup: int
+    nbytes: int
+    start: float
+    end: float
+
+
+class Fetched(NamedTuple):
+    """A subgroup's fields, and the read that brought them (None: the host cache served them)."""
+
+    fields: Any
+    read: Transfer | None
+
+
+class Locations(NamedTuple):
+    """Where each subgroup's newest stored record lives, and the old records that moved subgroups left.
+
+    Attributes:
+      paths: the index of the path holding each subgroup's newest stored record.
+      moved: (subgroup, old path) of each record a move left behind, deleted once that is safe.
+    """
+
+    paths: Mapping[int, int]
+    moved: tuple[tuple[int, int], ...]
+
+
 class TierStack:
     """The cache in front of the paths: fetch a subgroup's fields at a step, store new ones.
 
     Fields go in and come out; ``codec`` packs them into a record only when they leave RAM for a
-    path, and unpacks what is read back. Where each subgroup's newest stored record lives is
-    tracked in ``locations``; new records go to the path ``placement`` names. Dirty cached fields
-    reach storage on eviction or through :meth:`write_back`.
+    path, and unpacks what is read back. Each store is told the path each subgroup's record goes
+    to (its caller's placement, as data), and each read and write comes back as a
+    :class:`Transfer`. Where each subgroup's newest stored record lives is kept under a lock, since
+    reader and writer threads use it at once. Dirty cached fields reach storage on eviction or
+    through :meth:`write_back`.
 
     Args:
       cache: the host cache (capacity 0 disables it).
       paths: the storage paths.
       layout_hash: the plan's hash, checked in every record read.
-      placement: maps a subgroup index to the index of the path its next record goes to.
-      counters: where bytes moved and cache hits are counted.
       codec: packs fields into sealed records and unpacks verified payloads.
     """
 
-    def __init__(
-        self, cache: HostCache, paths: list[PathStore], layout_hash: bytes, placement, counters, codec: RecordCodec
-    ):
+    def __init__(self, cache: HostCache, paths: list[PathStore], layout_hash: bytes, codec: RecordCodec):
         self.cache = cache
         self.paths = paths
         self.layout_hash = layout_hash
-        self.placement = placement
-        self.counters = counters
         self.codec = codec
-        self.locations: dict[int, int] = {}
-        self.moved: list[tuple[int, int]] = []
-        self.pins: list[Pin] = []
+        self._lock = threading.Lock()
+        self._locations = Locations({}, ())
+        self._pins: list[Pin] = []
+
+    @property
+    def locations(self) -> Locations:
+        """Where every stored record is now (a snapshot: :meth:`restore` takes it back)."""
+        with self._lock:
+            return self._locations
+
+    def restore(self, locations: Locations) -> None:
+        """Takes back an earlier :attr:`locations` (an update that failed), or those a resume found."""
+        with self._lock:
+            self._locations = locations
 
     def set_caps(self, path: int | str, max_read: float | None, max_write: float | None) -> None:
         """Changes the bandwidth caps (bytes/s, None for none) of a path, given by index or name."""
@@ -104,8 +151,9 @@ class TierStack:
 
     def pin(self, step: int, timeout: float) -> Pin:
         """Pins ``step`` for a reader beside training; call it only when ``step`` is complete on storage."""
-        pin = Pin(step, self.locations, timeout)
-        self.pins = [p for p in self.pins if not p.released] + [pin]
+        pin = Pin(step, self.locations.paths, timeout)
+        with self._lock:
+            self._pins = [p for p in self._pins if not p.released] + [pin]
         return pin
 
     def read_pinned(self, pin: Pin, subgroup: int) -> Any:
@@ -128,58 +176,79 @@ class TierStack:
         name = os.path.join(path.directory, record_name(subgroup, step % 2))
         return verify(record, name=name, step=step, layout_hash=self.layout_hash)
 
-    def fetch(self, subgroup: int, step: int) -> Any:
-        """The fields of ``subgroup`` at ``step``, from the cache or its path (verified)."""
+    def fetch(self, subgroup: int, step: int) -> Fetched:
+        """The fields of ``subgroup`` at ``step``, from the cache or the path holding its record (verified)."""
         entry = self.cache.get(subgroup)
         if entry is not None and entry.step == step:
-            self.counters.hit()
-            return entry.fields
-        path = self.paths[self.locations.get(subgroup, self.placement(subgroup))]
+            return Fetched(entry.fields, None)
+        index = self.locations.paths.get(subgroup)
+        if index is None:
+            raise OffloadError(
+                f"subgroup {subgroup} has no record of step {step} in the host cache or on any path; "
+                "restore the last checkpoint"
+            )
         started = time.perf_counter()
-        payload = self._read(path, subgroup, step)
-        self.counters.read(path.root, HEADER_SIZE + payload.nbytes, subgroup=subgroup, started=started)
-        return self.codec.unpack(subgroup, payload)
+        payload = self._read(self.paths[index], subgroup, step)
+        read = Transfer("read", index, subgroup, HEADER_SIZE + payload.nbytes, started, time.perf_counter())
+        return Fetched(self.codec.unpack(subgroup, payload), read)
 
-    def write(self, subgroup: int, fields: Any, step: int) -> None:
-        """Packs ``fields`` into a sealed record and writes it, as step ``step``, to the path the placement picks."""
-        index = self.placement(subgroup)
-        for pin in self.pins:
-            if pin.blocks(subgroup, index, step % 2):
+    def write(self, subgroup: int, fields: Any, step: int, path: int) -> Transfer:
+        """Packs ``fields`` into a sealed record and writes it, as step ``step``, to path index ``path``."""
+        for pin in self._live_pins():
+            if pin.keeps(subgroup, path, step % 2):
                 pin.wait(subgroup)
         record = self.codec.pack(subgroup, fields, step)
         started = time.perf_counter()
-        self.paths[index].write(subgroup, step % 2, record)
-        self.counters.wrote(self.paths[index].root, record.nbytes, subgroup=subgroup, started=started)
-        previous = self.locations.get(subgroup)
-        self.locations[subgroup] = index
-        if previous is not None and previous != index:
-            self.moved.append((subgroup, previous))
+        self.paths[path].write(subgroup, step % 2, record)
+        written = Transfer("write", path, subgroup, record.nbytes, started, time.perf_counter())
+        with self._lock:
+            paths, moved = self._locations
+            previous = paths.get(subgroup)
+            if previous is not None and previous != path:
+                moved = (*moved, (subgroup, previous))
+            self._locations = Locations({**paths, subgroup: path}, moved)
+        return written
 
     def drop_moved(self) -> None:
-        """Removes the records that moved subgroups left on their old paths.
+        """Removes the records that moved subgroups left on their old paths, once that is safe.
 
-        Call it only when the newest step is complete on storage: until then the old path's
-        record is the previous complete step. A record still pinned for a reader is kept for a
-        later call.
+        It is safe once the newest step is complete on storage, that is when no write is in flight
+        (the caller's part) and no cached record is dirty: until then the old path's record may be
+        the last complete step. A record still pinned for a reader is kept for a later call.
         """
-        moved, self.moved = self.moved, []
+        if self.cache.dirty():
+            return
+        with self._lock:
+            paths, moved = self._locations
+            pins = [p for p in self._pins if not p.released]
+            kept = tuple((k, old) for k, old in moved if any(pin.keeps(k, old) for pin in pins))
+            self._locations = Locations(paths, kept)
         for subgroup, old in moved:
-            if any(pin.blocks(subgroup, old) for pin in self.pins):
-                self.moved.append((subgroup, old))
-            elif self.locations.get(subgroup) != old:
+            if (subgroup, old) not in kept and paths.get(subgroup) != old:
                 self.paths[old].delete(subgroup)
 
-    def store(self, subgroup: int, fields: Any, record_nbytes: int, step: int) -> None:
-        """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits (writing back
-        what that evicts), else writes them."""
-        if not self.cache.fits(record_nbytes):
-            self.write(subgroup, fields, step)
-            return
-        for victim, entry in self.cache.put(subgroup, CacheEntry(fields, record_nbytes, step, dirty=True)):
-            if entry.dirty:
-                self.write(victim, entry.fields, entry.step)
+    def store(
+        self, subgroup: int, fields: Any, record_nbytes: int, step: int, placement: Sequence[int]
+    ) -> list[Transfer]:
+        """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits, else writes them.
 
-    def write_back(self, subgroup: int, entry: CacheEntry) -> None:
-        """Writes dirty cached fields to storage and marks them clean."""
-        self.write(subgroup, entry.fields, entry.step)
+        What the cache evicts to make room is written if dirty. Each record goes to the path
+        ``placement`` gives its subgroup.
+
+        Returns:
+          The writes this took (none for a cached record that evicted nothing dirty).
+        """
+        if not self.cache.fits(record_nbytes):
+            return [self.write(subgroup, fields, step, placement[subgroup])]
+        evicted = self.cache.put(subgroup, CacheEntry(fields, record_nbytes, step, dirty=True))
+        return [self.write(k, entry.fields, entry.step, placement[k]) for k, entry in evicted if entry.dirty]
+
+    def write_back(self, subgroup: int, entry: CacheEntry, path: int) -> Transfer:
+        """Writes dirty cached fields to path index ``path`` and marks them clean."""
+        written = self.write(subgroup, entry.fields, entry.step, path)
         self.cache.mark_clean(subgroup, entry.step)
+        return written
+
+    def _live_pins(self) -> list[Pin]:
+        with self._lock:
+            return list(self._pins)

@@ -1,4 +1,4 @@
-"""Placement: where each leaf's blocks live on the devices, and the user's sharding for the updates.
+"""Sharding: where each leaf's blocks live on the devices, and the user's sharding for the updates.
 
 A leaf on one device is one block. A sharded leaf is the shards this process owns: a replica is
 stored and updated once, by its owner, and its update is copied to the other devices holding it.
@@ -13,13 +13,13 @@ from typing import Any, NamedTuple
 import jax
 
 from jax_mlp import partition
-from jax_mlp.partition import Plan, Shard, Subgroup
+from jax_mlp.partition import Plan, Shard
 
 BlockKey = tuple[int, int | None]
 """An update block's key: (leaf index, owner device id), the owner None for a leaf on one device."""
 
 
-class LeafPlacement(NamedTuple):
+class LeafSharding(NamedTuple):
     """Each leaf's sharding and owned shards, as at ``init`` (both None for a leaf on one device).
 
     Attributes:
@@ -31,7 +31,7 @@ class LeafPlacement(NamedTuple):
     shards: tuple[tuple[Shard, ...] | None, ...]
 
     @classmethod
-    def of(cls, leaves: Sequence[Any]) -> LeafPlacement:
+    def of(cls, leaves: Sequence[Any]) -> LeafSharding:
         """The placement of the params' leaves (arrays, or anything else for a leaf on the default device)."""
         shards = tuple(partition.owned_shards(x) for x in leaves)
         shardings = tuple(None if s is None else x.sharding for x, s in zip(leaves, shards, strict=True))
@@ -53,25 +53,26 @@ class LeafPlacement(NamedTuple):
         first = next((x for x, sharding in zip(leaves, self.shardings, strict=True) if sharding is None), None)
         return next(iter(first.devices())) if first is not None and first.committed else None
 
-    def device_of(self, subgroup: Subgroup, home: jax.Device | None) -> jax.Device | None:
-        """Where a subgroup's update runs: its shards' device, or ``home`` (see :meth:`home`) for whole leaves."""
-        device_id = subgroup.pieces[0].device
-        return home if device_id is None else _devices_by_id()[device_id]
+    def devices(self, plan: Plan, leaves: Sequence[Any]) -> list[jax.Device | None]:
+        """Per subgroup, where its program runs: its shards' device, or the :meth:`home` of ``leaves``."""
+        home = self.home(leaves)
+        by_id = _devices_by_id()
+        return [home if sg.pieces[0].device is None else by_id[sg.pieces[0].device] for sg in plan.subgroups]
 
-    def blocks(self, leaves: Sequence[jax.Array]) -> list[dict[int | None, jax.Array]]:
-        """Per leaf, its data on each device that holds a block of it (key None: a leaf on one device).
+    def block_map(self, leaves: Sequence[jax.Array]) -> dict[BlockKey, jax.Array]:
+        """Each leaf's data on each device that holds a block of it, by (leaf, device id; None: one device).
 
         A leaf that arrives with another sharding than at ``init`` is first resharded to that one,
         shard to shard, so each block is found on the device that owns its state.
         """
-        blocks = []
-        for leaf, sharding in zip(leaves, self.shardings, strict=True):
+        blocks: dict[BlockKey, jax.Array] = {}
+        for index, (leaf, sharding) in enumerate(zip(leaves, self.shardings, strict=True)):
             if sharding is None:
-                blocks.append({None: leaf})
+                blocks[index, None] = leaf
                 continue
             if not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
                 leaf = jax.device_put(leaf, sharding)
-            blocks.append({shard.device.id: shard.data for shard in leaf.addressable_shards})
+            blocks.update(((index, shard.device.id), shard.data) for shard in leaf.addressable_shards)
         return blocks
 
     def assemble(self, plan: Plan, results: dict[BlockKey, jax.Array]) -> list[jax.Array]:

@@ -1,4 +1,4 @@
-"""Device programs: the jitted init and update of one subgroup, and the executable cache they share.
+"""Device programs: the jitted init, update and apply of one subgroup, and the executable cache they share.
 
 A subgroup's program sees the user's whole tree with ``None`` outside the subgroup (its *view*), so
 masks and per-leaf optimizers keep their meaning. Programs are keyed by a :class:`SubgroupSpec`
@@ -165,39 +165,59 @@ def _subgroup_init(spec: SubgroupSpec, params: Sequence[jax.Array], starts: Sequ
     return jax.tree_util.tree_leaves(state), pieces if spec.master_dtype is not None else []
 
 
-def _inner_step(
-    spec: SubgroupSpec,
-    grads: Sequence[jax.Array],
-    params: Sequence[jax.Array] | None,
-    starts: Sequence[jax.Array],
-    state_leaves: Sequence[jax.Array],
-    master_leaves: Sequence[jax.Array],
-    uniform: Uniform,
-) -> tuple:
+class SubgroupArgs(NamedTuple):
+    """The arguments every subgroup program (update or apply) takes besides its spec and donated buffers.
+
+    Attributes:
+      grads: each piece's gradient block.
+      starts: each piece's first row (0 for a whole piece), on the subgroup's device.
+      state_leaves: the subgroup's inner state leaves, on the device.
+      master_leaves: its master param leaves (empty without a master).
+      uniform: the shared state and extra arguments, on the device.
+    """
+
+    grads: Sequence[jax.Array]
+    starts: Sequence[jax.Array]
+    state_leaves: Sequence[jax.Array]
+    master_leaves: Sequence[jax.Array]
+    uniform: Uniform
+
+    @classmethod
+    def of(
+        cls, subgroup: Subgroup, device: jax.Device | None, grads: Sequence[jax.Array], fields: tuple, uniform: Uniform
+    ) -> SubgroupArgs:
+        """The arguments of ``subgroup``'s program on ``device``, from its (state leaves, master leaves) ``fields``."""
+        state_leaves, master_leaves = fields
+        return cls(list(grads), _row_starts(subgroup, device), state_leaves, master_leaves, uniform.to(device))
+
+
+def _inner_step(spec: SubgroupSpec, params: Sequence[jax.Array] | None, args: SubgroupArgs) -> tuple:
     """One subgroup's inner update on its view, the body of both the update and the apply program.
 
     Gradients are up-cast here to the dtype the optimizer works in (the master dtype, or the
     param dtype). ``params`` may be None (no master) when the inner optimizer needs none. The
-    shared state leaves come from ``uniform`` in and go out as ``uniform.new_shared``.
+    shared state leaves come from ``args.uniform`` in and go out as ``uniform.new_shared``.
 
     Returns:
       Per piece, its update in :func:`update_dtype`; the new state leaves; the new master leaves.
     """
+    pieces = spec.pieces
     grad_pieces = [
-        _slice_rows(g, s, p).astype(d) for g, s, p, d in zip(grads, starts, spec.pieces, spec.dtypes, strict=True)
+        _slice_rows(g, s, p).astype(d) for g, s, p, d in zip(args.grads, args.starts, pieces, spec.dtypes, strict=True)
     ]
     param_pieces = (
-        None if params is None else [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
+        None if params is None else [_slice_rows(x, s, p) for x, s, p in zip(params, args.starts, pieces, strict=True)]
     )
     if spec.master_dtype is not None:
-        inner_params = spec.view(master_leaves)
+        inner_params = spec.view(args.master_leaves)
     else:
         inner_params = None if param_pieces is None else spec.view(param_pieces)
-    state = jax.tree_util.tree_unflatten(spec.state_treedef, _placed(state_leaves, spec.shared, uniform.shared))
+    uniform = args.uniform
+    state = jax.tree_util.tree_unflatten(spec.state_treedef, _placed(args.state_leaves, spec.shared, uniform.shared))
     updates, new_state = spec.inner.update(spec.view(grad_pieces), state, inner_params, **uniform.extra_args)
     update_pieces = jax.tree_util.tree_leaves(updates)
     if spec.master_dtype is not None:
-        new_master = [optax.apply_updates(m, u) for m, u in zip(master_leaves, update_pieces, strict=True)]
+        new_master = [optax.apply_updates(m, u) for m, u in zip(args.master_leaves, update_pieces, strict=True)]
         # In fp32, p + (m_lowp - p) == m_lowp: apply_updates then yields exactly the master's cast.
         user_updates = [
             m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype) for m, p in zip(new_master, param_pieces, strict=True)
@@ -217,36 +237,24 @@ def _written(spec: SubgroupSpec, blocks: Sequence[Any], starts: Sequence[jax.Arr
     ]
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _subgroup_update(
     spec: SubgroupSpec,
-    grads: Sequence[jax.Array],
-    params: Sequence[jax.Array] | None,
-    starts: Sequence[jax.Array],
-    state_leaves: Sequence[jax.Array],
-    master_leaves: Sequence[jax.Array],
     accumulators: Sequence[jax.Array | None],
-    uniform: Uniform,
+    params: Sequence[jax.Array] | None,
+    args: SubgroupArgs,
 ) -> tuple:
     """One subgroup's update: the updates of a row chunk are written into its leaf's accumulator in place.
 
     Returns:
       Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
     """
-    user_updates, new_state, new_master = _inner_step(spec, grads, params, starts, state_leaves, master_leaves, uniform)
-    return _written(spec, accumulators, starts, user_updates), new_state, new_master
+    user_updates, new_state, new_master = _inner_step(spec, params, args)
+    return _written(spec, accumulators, args.starts, user_updates), new_state, new_master
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _subgroup_apply(
-    spec: SubgroupSpec,
-    grads: Sequence[jax.Array],
-    params: Sequence[jax.Array],
-    starts: Sequence[jax.Array],
-    state_leaves: Sequence[jax.Array],
-    master_leaves: Sequence[jax.Array],
-    uniform: Uniform,
-) -> tuple:
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _subgroup_apply(spec: SubgroupSpec, params: Sequence[jax.Array], args: SubgroupArgs) -> tuple:
     """One subgroup's update applied to its params, which are donated: the new values take their buffers.
 
     A whole piece's new block replaces its param block; a row chunk's rows are written into its
@@ -257,15 +265,15 @@ def _subgroup_apply(
       Per piece, its new param block (for a row chunk, its leaf's whole block); the new state
       leaves; the new master leaves.
     """
-    user_updates, new_state, new_master = _inner_step(spec, grads, params, starts, state_leaves, master_leaves, uniform)
+    user_updates, new_state, new_master = _inner_step(spec, params, args)
     if spec.master_dtype is not None:
         new_pieces = [m.astype(x.dtype) for m, x in zip(new_master, params, strict=True)]
     else:
         new_pieces = [
             optax.apply_updates(_slice_rows(x, s, p), u)
-            for x, s, p, u in zip(params, starts, spec.pieces, user_updates, strict=True)
+            for x, s, p, u in zip(params, args.starts, spec.pieces, user_updates, strict=True)
         ]
-    return _written(spec, params, starts, new_pieces), new_state, new_master
+    return _written(spec, params, args.starts, new_pieces), new_state, new_master
 
 
 def _placed(leaves: Sequence[jax.Array], positions: Sequence[int], values: Sequence[jax.Array]) -> list[jax.Array]:
@@ -334,42 +342,27 @@ class Programs:
     def update(
         self,
         subgroup: Subgroup,
-        device: jax.Device | None,
-        grads: Sequence[jax.Array],
+        args: SubgroupArgs,
         params: Sequence[jax.Array] | None,
-        fields: tuple,
         accumulators: Sequence[jax.Array | None],
-        uniform: Uniform,
     ) -> SubgroupUpdate:
-        """One subgroup's update on ``device``.
+        """One subgroup's update, on the device its ``args`` are on.
 
         Args:
           subgroup: the subgroup.
-          device: where it runs (None: the default device).
-          grads: each piece's gradient block.
+          args: its grad blocks, row starts, fields and uniform values (:meth:`SubgroupArgs.of`).
           params: each piece's param block, or None when the update needs no params.
-          fields: the subgroup's (state leaves, master leaves) on the device.
           accumulators: per piece, its leaf's accumulator for a row chunk (donated), else None.
-          uniform: the shared state and extra arguments, on ``device``.
 
         Returns:
           The update blocks and the new state and master leaves.
         """
-        state_leaves, master_leaves = fields
-        starts = _row_starts(subgroup, device)
-        args = (list(grads), params, starts, state_leaves, master_leaves, list(accumulators), uniform)
-        return SubgroupUpdate(*EXECUTABLES(_subgroup_update, self._specs[subgroup.index], *args))
+        return SubgroupUpdate(
+            *EXECUTABLES(_subgroup_update, self._specs[subgroup.index], list(accumulators), params, args)
+        )
 
-    def apply(
-        self,
-        subgroup: Subgroup,
-        device: jax.Device | None,
-        grads: Sequence[jax.Array],
-        params: Sequence[jax.Array],
-        fields: tuple,
-        uniform: Uniform,
-    ) -> SubgroupUpdate:
-        """One subgroup's update applied to its param blocks on ``device``, which are donated.
+    def apply(self, subgroup: Subgroup, args: SubgroupArgs, params: Sequence[jax.Array]) -> SubgroupUpdate:
+        """One subgroup's update applied to its param blocks, which are donated.
 
         Args: as :meth:`update`, with ``params`` each piece's param block (for a row chunk, its leaf's
         whole block, into which its rows are written) and no accumulators.
@@ -377,7 +370,4 @@ class Programs:
         Returns:
           The new param blocks and the new state and master leaves.
         """
-        state_leaves, master_leaves = fields
-        starts = _row_starts(subgroup, device)
-        args = (list(grads), list(params), starts, state_leaves, master_leaves, uniform)
-        return SubgroupUpdate(*EXECUTABLES(_subgroup_apply, self._specs[subgroup.index], *args))
+        return SubgroupUpdate(*EXECUTABLES(_subgroup_apply, self._specs[subgroup.index], list(params), args))
