@@ -525,5 +525,5 @@ def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:
             f"param {leaf} is kept whole in subgroup {index}, of {plan.subgroups[index].layout.nbytes} bytes, above "
             f"subgroup_size={subgroup_size}: its optimizer mixes its rows (adafactor, lamb, lars and muon do), so "
             "cutting it into row chunks would change the math. Expect that subgroup to take more memory and time",
-            stacklevel=4,
+            stacklevel=5,
         )
