@@ -36,6 +36,7 @@ import optax
 import jax_mlp
 from jax_mlp import model, quantized
 from jax_mlp.model import PathSpeed
+from jax_mlp.partition import Plan
 from jax_mlp.stats import UpdateStats
 from jax_mlp.storage.probe import probe
 from jax_mlp.storage.record import HEADER_SIZE
@@ -145,13 +146,54 @@ def raw_bandwidth(directory: str, nbytes: int) -> PathSpeed:
     return probe(jax_mlp.Path(directory), total_bytes=nbytes, record_bytes=4 * 1024**2).speed
 
 
-def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
-    fast_cap, slow_cap = jax_mlp.parse_rate(args.fast), jax_mlp.parse_rate(args.slow)
+class Tiers(NamedTuple):
+    """The emulated tiers from the flags: the two paths' caps (read = write), the state and the host cache."""
+
+    fast_cap: float
+    slow_cap: float
+    state_bytes: int
+    cache: int
+
+
+def tiers_of(args: argparse.Namespace) -> Tiers:
+    """The tiers ``--fast``, ``--slow``, ``--state`` and ``--cache-fraction`` describe."""
     state_bytes = jax_mlp.parse_size(args.state)
     cache = int(args.cache_fraction * state_bytes)
+    return Tiers(jax_mlp.parse_rate(args.fast), jax_mlp.parse_rate(args.slow), state_bytes, cache)
 
-    # The compute floor of each codec: all state in the host cache, so no I/O wait; stepped with the rows.
-    floors = {
+
+def capped_paths(directory: str, tiers: Tiers) -> tuple[jax_mlp.Path, jax_mlp.Path]:
+    """The fast and the slow path under ``directory``, each capped at its rate."""
+    fast = jax_mlp.Path(f"{directory}/fast", max_read=tiers.fast_cap, max_write=tiers.fast_cap)
+    slow = jax_mlp.Path(f"{directory}/slow", max_read=tiers.slow_cap, max_write=tiers.slow_cap)
+    return fast, slow
+
+
+def speeds_of(fast_cap: float, slow_cap: float) -> list[PathSpeed]:
+    """The two paths as the model sees them."""
+    return [PathSpeed("fast", fast_cap, fast_cap), PathSpeed("slow", slow_cap, slow_cap)]
+
+
+def mean_record_bytes(plan: Plan) -> float:
+    """The mean bytes of a plan's records on a path, header included."""
+    return statistics.mean(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
+
+
+class Placement(NamedTuple):
+    """The scheduler's placement after an update: each path's share of the records, and the records moved so far."""
+
+    shares: list[float]
+    moves: int
+
+
+def _placement_of(tx: jax_mlp.OffloadTransformation) -> Placement:
+    """The one place that reads the scheduler's placement."""
+    return Placement(list(tx.offloader.scheduler.shares), tx.offloader.scheduler.moves)
+
+
+def floor_runners(args: argparse.Namespace, root: str, params: dict, state_bytes: int) -> dict[str, Runner]:
+    """Per codec, a runner with all state in the host cache: no I/O wait, so its update time is the compute floor."""
+    return {
         codec: Runner(
             f"floor {codec}",
             params,
@@ -162,84 +204,104 @@ def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
         )
         for codec in ("none", *quantized.CODECS)
     }
+
+
+def row_runners(args: argparse.Namespace, root: str, params: dict, tiers: Tiers) -> list[tuple[Row, Runner]]:
+    """A runner per row of the ablation, each on its own capped paths."""
     runners = []
     for row in ROWS:
         tag = row.name.strip("+").replace(" ", "_").replace("/", "_")
-        fast = jax_mlp.Path(f"{root}/{tag}/fast", max_read=fast_cap, max_write=fast_cap)
-        slow = jax_mlp.Path(f"{root}/{tag}/slow", max_read=slow_cap, max_write=slow_cap)
-        options = options_for(row.variant, fast, slow, cache, args.depth)
+        options = options_for(row.variant, *capped_paths(f"{root}/{tag}", tiers), tiers.cache, args.depth)
         runners.append((row, Runner(row.name, params, args.subgroup_size, row.codec, **options)))
-    plan = runners[0][1].tx.offloader.plan
-    record_bytes = statistics.mean(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
-    exact_state = sum(sg.layout.nbytes for sg in plan.subgroups)
-    for _ in range(args.iterations):
-        for runner in [*floors.values(), *(runner for _, runner in runners)]:
-            runner.step()
-            time.sleep(args.idle)
-    compute_seconds = {codec: statistics.median(floor.times[1:]) for codec, floor in floors.items()}
-    for floor in floors.values():
-        floor.tx.close(delete=True)
+    return runners
 
-    speeds = [PathSpeed("fast", fast_cap, fast_cap), PathSpeed("slow", slow_cap, slow_cap)]
-    rows = []
-    for row, runner in runners:
-        if row.codec == "none":
-            num_records, row_record_bytes = len(plan.subgroups), record_bytes
-        else:
-            # Sized as `jax-mlp plan --state-codec` sizes it: the exact state times the codec's stored fraction.
-            num_records, row_record_bytes = model.records(
-                exact_state * quantized.stored_fraction(row.codec), jax_mlp.parse_size(args.subgroup_size)
-            )
-        prediction = model.predict_variant(
-            row.variant,
-            speeds,
-            num_records=num_records,
-            record_bytes=row_record_bytes,
-            cache_bytes=cache,
-            compute_seconds=compute_seconds[row.codec],
-            idle_seconds=args.idle,
-            prefetch_depth=args.depth,
-        )
-        steady = runner.times[1:]
-        last = runner.stats[-1]
-        rows.append(
-            {
-                "variant": row.name,
-                "codec": row.codec,
-                "median_update_s": statistics.median(steady),
-                "update_s": runner.times,
-                "predicted_s": prediction.seconds,
-                "prediction_error": statistics.median(steady) / prediction.seconds - 1,
-                "compute_floor_s": compute_seconds[row.codec],
-                "records": len(runner.record_bytes),
-                "stored_bytes": sum(runner.record_bytes),
-                "predicted_records": num_records,
-                "predicted_record_bytes": row_record_bytes,
-                "in_update_io_bound_s": statistics.median(runner.io_bounds[1:]),
-                "bytes_read": {k.split("[")[1].rstrip("]"): v for k, v in last.items() if k.startswith("bytes_read[")},
-                "bytes_written": {
-                    k.split("[")[1].rstrip("]"): v for k, v in last.items() if k.startswith("bytes_written[")
-                },
-                "predicted_bytes_read": prediction.bytes_read,
-                "predicted_bytes_written": prediction.bytes_written,
-                "cache_hits": last["cache_hits"],
-            }
-        )
-        runner.tx.close(delete=True)
+
+def step_interleaved(runners: list[Runner], iterations: int, idle: float) -> None:
+    """Steps every runner once per iteration, in turn, so machine noise hits them alike."""
+    for _ in range(iterations):
+        for runner in runners:
+            runner.step()
+            time.sleep(idle)
+
+
+def predicted_records(row: Row, plan: Plan, subgroup_size: str) -> tuple[int, float]:
+    """The records the model assumes for the row's state: their count and mean size."""
+    if row.codec == "none":
+        return len(plan.subgroups), mean_record_bytes(plan)
+    # Sized as `jax-mlp plan --state-codec` sizes it: the exact state times the codec's stored fraction.
+    exact_state = sum(sg.layout.nbytes for sg in plan.subgroups)
+    return model.records(exact_state * quantized.stored_fraction(row.codec), jax_mlp.parse_size(subgroup_size))
+
+
+def predict_row(
+    args: argparse.Namespace, row: Row, records: tuple[int, float], tiers: Tiers, compute_seconds: float
+) -> model.Prediction:
+    """The model's update time and bytes moved for the row's variant on the capped paths."""
+    num_records, record_bytes = records
+    return model.predict_variant(
+        row.variant,
+        speeds_of(tiers.fast_cap, tiers.slow_cap),
+        num_records=num_records,
+        record_bytes=record_bytes,
+        cache_bytes=tiers.cache,
+        compute_seconds=compute_seconds,
+        idle_seconds=args.idle,
+        prefetch_depth=args.depth,
+    )
+
+
+def _bytes_by_path(stats: dict, kind: str) -> dict:
+    """``stats``' per-path counters of ``kind`` (``bytes_read``, ``bytes_written``), keyed by the path."""
+    return {k.split("[")[1].rstrip("]"): v for k, v in stats.items() if k.startswith(f"{kind}[")}
+
+
+def row_result(
+    row: Row, runner: Runner, records: tuple[int, float], prediction: model.Prediction, compute_seconds: float
+) -> dict:
+    """A row's measurements (its first update left out of the medians) next to the model's prediction."""
+    steady = runner.times[1:]
+    last = runner.stats[-1]
+    return {
+        "variant": row.name,
+        "codec": row.codec,
+        "median_update_s": statistics.median(steady),
+        "update_s": runner.times,
+        "predicted_s": prediction.seconds,
+        "prediction_error": statistics.median(steady) / prediction.seconds - 1,
+        "compute_floor_s": compute_seconds,
+        "records": len(runner.record_bytes),
+        "stored_bytes": sum(runner.record_bytes),
+        "predicted_records": records[0],
+        "predicted_record_bytes": records[1],
+        "in_update_io_bound_s": statistics.median(runner.io_bounds[1:]),
+        "bytes_read": _bytes_by_path(last, "bytes_read"),
+        "bytes_written": _bytes_by_path(last, "bytes_written"),
+        "predicted_bytes_read": prediction.bytes_read,
+        "predicted_bytes_written": prediction.bytes_written,
+        "cache_hits": last["cache_hits"],
+    }
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Adds each row's speedup over the first (the baseline) and, for exact state, its ideal and the share of it."""
     baseline = rows[0]
     for row in rows:
         row["speedup_vs_baseline"] = baseline["median_update_s"] / row["median_update_s"]
         if row["codec"] == "none":
             row["ideal_speedup"] = baseline["in_update_io_bound_s"] / row["in_update_io_bound_s"]
             row["of_ideal"] = row["speedup_vs_baseline"] / row["ideal_speedup"]
+
+
+def summary(rows: list[dict], plan: Plan, tiers: Tiers, compute_seconds: float) -> dict:
+    """The ablation's result: the setting, the rows, and the headline speedups of full and of int8 state."""
     full = next(row for row in rows if row["variant"] == model.ABLATION[-1].name)
     return {
-        "state_bytes": state_bytes,
+        "state_bytes": tiers.state_bytes,
         "records": len(plan.subgroups),
-        "record_bytes": record_bytes,
-        "cache_bytes": cache,
-        "caps_bytes_per_s": {"fast": fast_cap, "slow": slow_cap},
-        "compute_floor_s": compute_seconds["none"],
+        "record_bytes": mean_record_bytes(plan),
+        "cache_bytes": tiers.cache,
+        "caps_bytes_per_s": {"fast": tiers.fast_cap, "slow": tiers.slow_cap},
+        "compute_floor_s": compute_seconds,
         "rows": rows,
         "speedup_full_vs_baseline": full["speedup_vs_baseline"],
         "ideal_speedup_full_vs_baseline": full["ideal_speedup"],
@@ -248,41 +310,58 @@ def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
     }
 
 
+def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
+    """Steps the compute floors and the rows interleaved, then sets each row against the model's prediction."""
+    tiers = tiers_of(args)
+    floors = floor_runners(args, root, params, tiers.state_bytes)
+    runners = row_runners(args, root, params, tiers)
+    plan = runners[0][1].tx.offloader.plan
+    step_interleaved([*floors.values(), *(runner for _, runner in runners)], args.iterations, args.idle)
+    compute_seconds = {codec: statistics.median(floor.times[1:]) for codec, floor in floors.items()}
+    for floor in floors.values():
+        floor.tx.close(delete=True)
+
+    rows = []
+    for row, runner in runners:
+        records = predicted_records(row, plan, args.subgroup_size)
+        prediction = predict_row(args, row, records, tiers, compute_seconds[row.codec])
+        rows.append(row_result(row, runner, records, prediction, compute_seconds[row.codec]))
+        runner.tx.close(delete=True)
+    add_speedups(rows)
+    return summary(rows, plan, tiers, compute_seconds["none"])
+
+
 def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_seconds: float) -> dict:
     """Cuts the slow path's cap to a quarter after 4 updates; returns times against the model."""
-    fast_cap, slow_cap = jax_mlp.parse_rate(args.fast), jax_mlp.parse_rate(args.slow)
-    state_bytes = jax_mlp.parse_size(args.state)
-    cache = int(args.cache_fraction * state_bytes)
-    full = model.ABLATION[-1]
-    fast = jax_mlp.Path(f"{root}/rebalance/fast", max_read=fast_cap, max_write=fast_cap)
-    slow = jax_mlp.Path(f"{root}/rebalance/slow", max_read=slow_cap, max_write=slow_cap)
-    runner = Runner("rebalance", params, args.subgroup_size, **options_for(full, fast, slow, cache, args.depth))
+    tiers = tiers_of(args)
+    fast, slow = capped_paths(f"{root}/rebalance", tiers)
+    options = options_for(model.ABLATION[-1], fast, slow, tiers.cache, args.depth)
+    runner = Runner("rebalance", params, args.subgroup_size, **options)
     plan = runner.tx.offloader.plan
-    record_bytes = statistics.mean(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
-    shares = []
+    placements = []
     for iteration in range(10):
         if iteration == 4:
-            runner.tx.offloader.set_caps(1, max_read=slow_cap / 4, max_write=slow_cap / 4)
+            runner.tx.offloader.set_caps(1, max_read=tiers.slow_cap / 4, max_write=tiers.slow_cap / 4)
         runner.step()
-        shares.append(list(runner.tx.offloader.scheduler.shares))
+        placements.append(_placement_of(runner.tx))
         time.sleep(args.idle)
     predicted_after = model.predict(
-        [PathSpeed("fast", fast_cap, fast_cap), PathSpeed("slow", slow_cap / 4, slow_cap / 4)],
+        speeds_of(tiers.fast_cap, tiers.slow_cap / 4),
         num_records=len(plan.subgroups),
-        record_bytes=record_bytes,
-        cache_bytes=cache,
+        record_bytes=mean_record_bytes(plan),
+        cache_bytes=tiers.cache,
         compute_seconds=compute_seconds,
         idle_seconds=args.idle,
         prefetch_records=args.depth,
     ).seconds
-    moves = runner.tx.offloader.scheduler.moves
+    moves = _placement_of(runner.tx).moves
     runner.tx.close(delete=True)
     after = runner.times[4:]
     within = [abs(t / predicted_after - 1) <= 0.15 for t in after]
     recovered_after = next((i + 1 for i in range(len(after)) if all(within[i:])), None)
     return {
         "update_s": runner.times,
-        "shares": shares,
+        "shares": [placement.shares for placement in placements],
         "predicted_after_cut_s": predicted_after,
         "iterations_to_recover": recovered_after,
         "moves": moves,

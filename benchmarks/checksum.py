@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import pathlib
 import statistics
 import tempfile
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from common import print_and_save
 from isal.isal_zlib import crc32 as isal_crc32
 
 import jax_mlp
@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["update_cpu_ratio_isal_over_zlib"] = (
         result["update_cpu_s"]["isal"]["median"] / (result["update_cpu_s"]["zlib"]["median"])
     )
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print_and_save(result, args.out)
     return result
 
 

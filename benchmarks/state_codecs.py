@@ -14,7 +14,6 @@ to zero. The script trains it with fp32 adam, then
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from common import print_and_save
 
 from jax_mlp import quantized
 
@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants["bf16 stochastic"] = quantized.quantized_state(optax.adam(args.lr), "bf16", stochastic=True)
     result["final_loss"] = {"fp32": final_loss(losses)}
     result["final_loss"].update({name: final_loss(train(tx, args.steps)[0]) for name, tx in variants.items()})
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print_and_save(result, args.out)
     return result
 
 

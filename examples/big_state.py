@@ -38,7 +38,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ import psutil
 from offload_options import state_paths
 
 import jax_mlp
+from jax_mlp.partition import Plan
 from jax_mlp.stats import format_bytes
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master, mu and nu
@@ -162,6 +163,131 @@ def _check_room(num_params: int, state_bytes: int, paths: list[str]) -> None:
             )
 
 
+class Sizes(NamedTuple):
+    """The model and the cache that ``--state``, ``--width`` and ``--host-cache`` ask for."""
+
+    num_layers: int
+    num_params: int
+    host_cache: int
+
+
+def sizes_of(args: argparse.Namespace) -> Sizes:
+    """As many layers as come closest to ``--state`` (at least one); the cache defaults to a quarter of the state."""
+    target = jax_mlp.parse_size(args.state, name="--state")
+    num_layers = max(1, round(target / (STATE_BYTES_PER_PARAM * args.width**2)))
+    num_params = num_layers * args.width**2
+    host_cache = jax_mlp.parse_size(args.host_cache or STATE_BYTES_PER_PARAM * num_params // 4, name="--host-cache")
+    return Sizes(num_layers, num_params, host_cache)
+
+
+class Measured(NamedTuple):
+    """What a run measured: the RSS before ``init`` and the peaks around the offloader's calls, the losses."""
+
+    rss_before: int
+    warmup_peak: int  # init and the first update, which compiles
+    peak: int  # the later updates; the warm-up's with one step
+    losses: list[float]
+    state_nbytes: int
+    stats: jax_mlp.UpdateStats
+
+
+def train(args: argparse.Namespace, sizes: Sizes, paths: list[str], *, temporary: bool, tuned: bool) -> Measured:
+    """Trains ``--steps`` steps with the AdamW state on ``paths``, sampling the RSS during the offloader's calls.
+
+    Only those calls are sampled: forward and backward have their own peaks. The first update compiles
+    (XLA's compiler takes memory for a moment), so it counts to the warm-up; later ones are steady.
+    """
+    params = make_params(sizes.num_layers, args.width, args.seed)
+    grad_fn = jax.jit(jax.value_and_grad(loss))
+    apply = jax.jit(optax.apply_updates, donate_argnums=0)
+    data_key = jax.random.key(args.seed + 1)
+    value, grads = grad_fn(params, jax.random.normal(data_key, (BATCH, args.width)))
+    jax.block_until_ready(grads)
+    gc.collect()
+    warmup, steady = RssSampler(), RssSampler()
+    rss_before = steady.now()
+
+    offload = make_offload(args, paths, sizes.host_cache)
+    losses = [float(value)]
+    try:
+        with warmup:
+            state = offload.init(params)
+        print_setup(args, sizes, offload.offloader.plan, len(paths), tuned=tuned)
+        for step in range(args.steps):
+            with warmup if step == 0 else steady:
+                updates, state = offload.update(grads, state, params)
+                jax.block_until_ready(updates)
+            grads = None  # freed before the next grads are computed
+            params = apply(params, updates)
+            del updates
+            value, grads = grad_fn(params, jax.random.normal(jax.random.fold_in(data_key, step), (BATCH, args.width)))
+            losses.append(float(value))
+            print(
+                f"step {step + 1}: loss {losses[-1]:.5f}, update {offload.stats.seconds:.2f} s, "
+                f"peak RSS {format_bytes((warmup if step == 0 else steady).peak)}"
+            )
+        plan = offload.offloader.plan
+        return Measured(rss_before, warmup.peak, steady.peak or warmup.peak, losses, plan.state_nbytes, offload.stats)
+    finally:
+        offload.close(delete=temporary)
+
+
+def make_offload(args: argparse.Namespace, paths: list[str], host_cache: int) -> jax_mlp.OffloadTransformation:
+    """AdamW with an fp32 master copy of the bf16 params, offloaded to ``paths``."""
+    return jax_mlp.mlp_offload(
+        optax.adamw(args.lr, weight_decay=0.0),
+        paths=paths,
+        host_cache=host_cache,
+        subgroup_size=args.subgroup_size,
+        master_dtype=jnp.float32,
+    )
+
+
+def print_setup(args: argparse.Namespace, sizes: Sizes, plan: Plan, num_paths: int, *, tuned: bool) -> None:
+    """Prints the model, the state and where it lives, and whether glibc's mmap threshold was set."""
+    print(
+        f"{sizes.num_layers} layers of {args.width}×{args.width}: {sizes.num_params:,} bfloat16 params "
+        f"({format_bytes(2 * sizes.num_params)}); AdamW state with fp32 master {format_bytes(plan.state_nbytes)} "
+        f"in {len(plan.subgroups)} subgroups on {num_paths} path(s), host cache {format_bytes(sizes.host_cache)}; "
+        f"glibc mmap threshold {args.malloc_mmap_threshold if tuned else 'left at its default'}"
+    )
+
+
+def report(measured: Measured, sizes: Sizes) -> dict[str, Any]:
+    """Prints the RSS against the state and the cache, and the last update's stats; returns the figures."""
+    state_bytes, host_cache = measured.state_nbytes, sizes.host_cache
+    updates_bytes = 4 * sizes.num_params  # fp32, the master dtype
+    offloader_rss = measured.peak - measured.rss_before - updates_bytes
+    print()
+    print(
+        f"optimizer state            {format_bytes(state_bytes):>10}  ({state_bytes / host_cache:.1f}× the host cache)"
+    )
+    print(f"RSS before init            {format_bytes(measured.rss_before):>10}  (Python, jax, params and grads)")
+    print(
+        f"peak RSS, init + update 1  {format_bytes(measured.warmup_peak):>10}  (includes compiling the subgroup updates)"
+    )
+    print(
+        f"peak RSS, later updates    {format_bytes(measured.peak):>10}  ({measured.peak / state_bytes:.2f}× the state)"
+    )
+    print(f"  updates                  {format_bytes(updates_bytes):>10}  (returned by update, as with plain optax)")
+    print(
+        f"  offloader                {format_bytes(offloader_rss):>10}  ({offloader_rss / state_bytes:.2f}× the state; "
+        f"the host cache is {host_cache / state_bytes:.2f}×)"
+    )
+    print(measured.stats.summary())
+    return {
+        "state_bytes": state_bytes,
+        "host_cache": host_cache,
+        "updates_bytes": updates_bytes,
+        "rss_before": measured.rss_before,
+        "warmup_peak_rss": measured.warmup_peak,
+        "peak_rss": measured.peak,
+        "offloader_rss": offloader_rss,
+        "losses": measured.losses,
+        "stats": measured.stats.as_dict(),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Trains the big-state model and measures host memory during ``init`` and the updates.
 
@@ -177,90 +303,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """
     args = parse_args(argv)
     tuned = set_malloc_mmap_threshold(jax_mlp.parse_size(args.malloc_mmap_threshold, name="--malloc-mmap-threshold"))
-    target = jax_mlp.parse_size(args.state, name="--state")
-    num_layers = max(1, round(target / (STATE_BYTES_PER_PARAM * args.width**2)))
-    num_params = num_layers * args.width**2
-    host_cache = jax_mlp.parse_size(args.host_cache or STATE_BYTES_PER_PARAM * num_params // 4, name="--host-cache")
+    sizes = sizes_of(args)
     with state_paths(args.paths, count=1, prefix="jax_mlp_big_") as (paths, temporary):
-        _check_room(num_params, num_params * STATE_BYTES_PER_PARAM, paths)
-
-        params = make_params(num_layers, args.width, args.seed)
-        grad_fn = jax.jit(jax.value_and_grad(loss))
-        apply = jax.jit(optax.apply_updates, donate_argnums=0)
-        data_key = jax.random.key(args.seed + 1)
-        value, grads = grad_fn(params, jax.random.normal(data_key, (BATCH, args.width)))
-        jax.block_until_ready(grads)
-        gc.collect()
-        warmup, steady = RssSampler(), RssSampler()
-        rss_before = steady.now()
-
-        offload = jax_mlp.mlp_offload(
-            optax.adamw(args.lr, weight_decay=0.0),
-            paths=paths,
-            host_cache=host_cache,
-            subgroup_size=args.subgroup_size,
-            master_dtype=jnp.float32,
-        )
-        losses = [float(value)]
-        try:
-            with warmup:
-                state = offload.init(params)
-            plan = offload.offloader.plan
-            print(
-                f"{num_layers} layers of {args.width}×{args.width}: {num_params:,} bfloat16 params "
-                f"({format_bytes(2 * num_params)}); AdamW state with fp32 master {format_bytes(plan.state_nbytes)} "
-                f"in {len(plan.subgroups)} subgroups on {len(paths)} path(s), host cache {format_bytes(host_cache)}; "
-                f"glibc mmap threshold {args.malloc_mmap_threshold if tuned else 'left at its default'}"
-            )
-            for step in range(args.steps):
-                # Only the offloader's calls are sampled: forward and backward have their own peaks. The
-                # first update compiles (XLA's compiler takes memory for a moment); later ones are steady.
-                with warmup if step == 0 else steady:
-                    updates, state = offload.update(grads, state, params)
-                    jax.block_until_ready(updates)
-                grads = None  # freed before the next grads are computed
-                params = apply(params, updates)
-                del updates
-                value, grads = grad_fn(
-                    params, jax.random.normal(jax.random.fold_in(data_key, step), (BATCH, args.width))
-                )
-                losses.append(float(value))
-                print(
-                    f"step {step + 1}: loss {losses[-1]:.5f}, update {offload.stats.seconds:.2f} s, "
-                    f"peak RSS {format_bytes((warmup if step == 0 else steady).peak)}"
-                )
-            stats = offload.stats
-        finally:
-            offload.close(delete=temporary)
-
-    state_bytes = plan.state_nbytes
-    updates_bytes = 4 * num_params  # fp32, the master dtype
-    peak = steady.peak or warmup.peak
-    offloader_rss = peak - rss_before - updates_bytes
-    print()
-    print(
-        f"optimizer state            {format_bytes(state_bytes):>10}  ({state_bytes / host_cache:.1f}× the host cache)"
-    )
-    print(f"RSS before init            {format_bytes(rss_before):>10}  (Python, jax, params and grads)")
-    print(f"peak RSS, init + update 1  {format_bytes(warmup.peak):>10}  (includes compiling the subgroup updates)")
-    print(f"peak RSS, later updates    {format_bytes(peak):>10}  ({peak / state_bytes:.2f}× the state)")
-    print(f"  updates                  {format_bytes(updates_bytes):>10}  (returned by update, as with plain optax)")
-    print(
-        f"  offloader                {format_bytes(offloader_rss):>10}  ({offloader_rss / state_bytes:.2f}× the state; "
-        f"the host cache is {host_cache / state_bytes:.2f}×)"
-    )
-    print(stats.summary())
-    return {
-        "state_bytes": state_bytes,
-        "host_cache": host_cache,
-        "updates_bytes": updates_bytes,
-        "rss_before": rss_before,
-        "warmup_peak_rss": warmup.peak,
-        "peak_rss": peak,
-        "offloader_rss": offloader_rss,
-        "losses": losses,
-        "stats": stats.as_dict(),
-    }
+        _check_room(sizes.num_params, sizes.num_params * STATE_BYTES_PER_PARAM, paths)
+        measured = train(args, sizes, paths, temporary=temporary, tuned=tuned)
+    return report(measured, sizes)
 
 
 if __name__ == "__main__":

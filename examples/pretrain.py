@@ -51,7 +51,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
-from train_gpt import GPT, VOCAB, build_corpus, cross_entropy, encode
+from train_gpt import GPT, VOCAB, add_model_arguments, build_corpus, cross_entropy, encode
 
 import jax_mlp
 
@@ -257,10 +257,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoints", default=None, help="checkpoint directory (default: WORKDIR/checkpoints)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all (a resumed run goes on to it)")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches averaged per optimizer step")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens of context")
+    add_model_arguments(parser, context="tokens")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per micro-batch, over all devices")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")

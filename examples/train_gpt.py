@@ -46,6 +46,7 @@ from offload_options import add_offload_arguments, add_state_codec_argument, sta
 from tqdm import tqdm
 
 import jax_mlp
+from jax_mlp.partition import Plan
 
 REQUIRED_IMPROVEMENT = 0.30
 TOLERANCE = 1e-5  # the exactness contract: max|Δ| / max|p| per leaf, against plain optax
@@ -365,16 +366,24 @@ def max_deviation(actual: GPT, expected: GPT) -> tuple[float, str]:
 # ----------------------------------------------------------------------------------------- command line
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, *, context: str) -> None:
+    """Adds the GPT's shape: ``--layers``, ``--d-model``, ``--heads`` and ``--seq-len`` (``context`` names its unit).
+
+    ``pretrain.py`` trains the same GPT, so it takes these too.
+    """
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq-len", type=int, default=64, help=f"{context} of context")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add_offload_arguments(parser, steps=500, host_cache="2MiB", subgroup_size="512KiB")
     add_state_codec_argument(parser)
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--d-model", type=int, default=128, help="width of the residual stream")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--seq-len", type=int, default=64, help="characters of context")
+    add_model_arguments(parser, context="characters")
     parser.add_argument("--batch-size", type=int, default=32, help="windows per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and the batches")
@@ -395,6 +404,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class Offloaded(NamedTuple):
+    """A finished run, with the offload's last stats and its plan (read before the offload closed)."""
+
+    run: Run
+    stats: jax_mlp.UpdateStats
+    plan: Plan
+
+
+def train_offloaded(args: argparse.Namespace, tokens: np.ndarray) -> Offloaded:
+    """Trains with the AdamW state on ``--paths`` (or temporary ones, deleted at the end)."""
+    with state_paths(args.paths, count=2, prefix="jax_mlp_gpt_") as (paths, temporary):
+        offload = jax_mlp.mlp_offload(
+            make_optimizer(args),
+            paths=paths,
+            host_cache=args.host_cache,
+            subgroup_size=args.subgroup_size,
+            log_to=args.log_to,
+        )
+        try:
+            return Offloaded(train(args, tokens, offload), offload.stats, offload.offloader.plan)
+        finally:
+            offload.close(delete=temporary)
+
+
+def print_summary(args: argparse.Namespace, corpus_chars: int, offloaded: Offloaded, tokens_per_s: float) -> None:
+    """Prints the run: corpus, model and state sizes, speed, eval losses, the last update's stats, a sample."""
+    run, plan = offloaded.run, offloaded.plan
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(nnx.state(run.model, nnx.Param)))
+    print()
+    print(
+        f"corpus: {corpus_chars:,} characters of standard-library docstrings; model: {num_params:,} params; "
+        f"AdamW state ({args.state_codec} codec) {jax_mlp.stats.format_bytes(plan.state_nbytes)} in {len(plan.subgroups)} subgroups "
+        f"behind a {args.host_cache} host cache"
+    )
+    print(
+        f"trained {args.steps} steps in {run.seconds:.1f} s ({tokens_per_s:,.0f} tokens/s); optimizer update: "
+        f"median {statistics.median(run.update_seconds) * 1e3:.1f} ms"
+    )
+    print(f"initial eval loss  {run.initial_loss:.4f}")
+    print(f"final eval loss    {run.final_loss:.4f}  ({(1 - run.final_loss / run.initial_loss) * 100:.1f}% lower)")
+    print("offload stats of the last update:")
+    print(offloaded.stats.summary())
+    if args.sample:
+        prompt = "Return the "
+        print(f"sample: {prompt + sample(run.model, prompt, args.sample, args.seq_len, args.seed)!r}")
+
+
+def compare(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    """Checks the offloaded model against the ``--compare`` reference; prints and returns the verdict."""
+    deviation, leaf = max_deviation(run.model, run.reference)
+    passed = deviation <= tolerance(args)
+    print(
+        f"compare with plain optax on the same gradients over {args.steps} steps: largest deviation "
+        f"max|Δ|/max|p| = {deviation:.2e} (leaf {leaf}), "
+        f"tolerance {tolerance(args):g}: {'PASS' if passed else 'FAIL'}"
+    )
+    return {"deviation": deviation, "deviation_leaf": leaf, "compare_passed": passed}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Trains the GPT with offloaded AdamW state (and, with ``--compare``, with plain optax too).
 
@@ -408,58 +476,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """
     args = parse_args(argv)
     tokens = encode(build_corpus())
-    with state_paths(args.paths, count=2, prefix="jax_mlp_gpt_") as (paths, temporary):
-        offload = jax_mlp.mlp_offload(
-            make_optimizer(args),
-            paths=paths,
-            host_cache=args.host_cache,
-            subgroup_size=args.subgroup_size,
-            log_to=args.log_to,
-        )
-        try:
-            run = train(args, tokens, offload)
-            stats = offload.stats
-            plan = offload.offloader.plan
-        finally:
-            offload.close(delete=temporary)
-
-    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(nnx.state(run.model, nnx.Param)))
+    offloaded = train_offloaded(args, tokens)
+    run = offloaded.run
     tokens_per_s = args.steps * args.batch_size * args.seq_len / run.seconds
-    print()
-    print(
-        f"corpus: {len(tokens):,} characters of standard-library docstrings; model: {num_params:,} params; "
-        f"AdamW state ({args.state_codec} codec) {jax_mlp.stats.format_bytes(plan.state_nbytes)} in {len(plan.subgroups)} subgroups "
-        f"behind a {args.host_cache} host cache"
-    )
-    print(
-        f"trained {args.steps} steps in {run.seconds:.1f} s ({tokens_per_s:,.0f} tokens/s); optimizer update: "
-        f"median {statistics.median(run.update_seconds) * 1e3:.1f} ms"
-    )
-    print(f"initial eval loss  {run.initial_loss:.4f}")
-    print(f"final eval loss    {run.final_loss:.4f}  ({(1 - run.final_loss / run.initial_loss) * 100:.1f}% lower)")
-    print("offload stats of the last update:")
-    print(stats.summary())
-    if args.sample:
-        prompt = "Return the "
-        print(f"sample: {prompt + sample(run.model, prompt, args.sample, args.seq_len, args.seed)!r}")
+    print_summary(args, len(tokens), offloaded, tokens_per_s)
     result = {
         "initial_loss": run.initial_loss,
         "final_loss": run.final_loss,
         "train_losses": run.train_losses,
-        "stats": stats.as_dict(),
+        "stats": offloaded.stats.as_dict(),
         "seconds": run.seconds,
         "tokens_per_s": tokens_per_s,
         "state_codec": args.state_codec,
     }
     if run.reference is not None:
-        deviation, leaf = max_deviation(run.model, run.reference)
-        passed = deviation <= tolerance(args)
-        print(
-            f"compare with plain optax on the same gradients over {args.steps} steps: largest deviation "
-            f"max|Δ|/max|p| = {deviation:.2e} (leaf {leaf}), "
-            f"tolerance {tolerance(args):g}: {'PASS' if passed else 'FAIL'}"
-        )
-        result.update(deviation=deviation, deviation_leaf=leaf, compare_passed=passed)
+        result.update(compare(args, run))
     return result
 
 

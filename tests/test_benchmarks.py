@@ -12,6 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import their shared module, as when run as scripts
 
 
 def load(path: pathlib.Path):
