@@ -18,19 +18,19 @@ import numpy as np
 import optax
 
 from jax_mlp import accumulation, dependence, inputs, partition, peers, resume
-from jax_mlp.blocks import Blocks, NewParams
-from jax_mlp.calls import Call, CallChecks
+from jax_mlp.calls import CallChecks
 from jax_mlp.config import OffloadConfig, parse_rate
 from jax_mlp.engine import Engine
 from jax_mlp.errors import OffloadError
 from jax_mlp.in_jit import JitLayout, JitRoute
 from jax_mlp.partition import Plan
-from jax_mlp.programs import Programs, update_dtype
+from jax_mlp.programs import Programs
+from jax_mlp.run import Run
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.sharding import LeafSharding
 from jax_mlp.state import OffloadState
 from jax_mlp.stats import UpdateStats
-from jax_mlp.step import EAGER, LATE_PUT, StateStream
+from jax_mlp.step import StateStream
 from jax_mlp.storage.cache import HostCache
 from jax_mlp.storage.paths import PathStore, open_paths, release_paths
 from jax_mlp.storage.probe import starting_speed
@@ -40,16 +40,6 @@ from jax_mlp.storage.tier_stack import Pin, TierStack
 __all__ = ["OffloadState", "Offloader"]
 
 _INSTANCES = itertools.count()  # names this process's offloaders alike in every process, for barriers
-
-
-class _Live(NamedTuple):
-    """What an initialised offloader runs with."""
-
-    plan: Plan
-    sharding: LeafSharding
-    stream: StateStream
-    jit: JitRoute
-    calls: CallChecks
 
 
 class _Planned(NamedTuple):
@@ -100,7 +90,7 @@ class Offloader(ClosesOnExit):
         self.resume = resume
         self.on_stats = on_stats
         self._run_key = f"jax_mlp/{next(_INSTANCES)}"
-        self._live: _Live | None = None
+        self._run: Run | None = None
         self._closed = False
         self._last_plan: _Planned | None = None
 
@@ -109,42 +99,42 @@ class Offloader(ClosesOnExit):
     @property
     def plan(self) -> Plan | None:
         """The subgroups, or None before ``init``."""
-        return None if self._live is None else self._live.plan
+        return None if self._run is None else self._run.plan
 
     @property
     def sharding(self) -> LeafSharding:
         """Each leaf's sharding and owned shards, as at ``init``."""
-        return self._require_live().sharding
+        return self._require_run().sharding
 
     @property
     def step(self) -> int:
         """The step the tiers hold (0 before ``init``)."""
-        return 0 if self._live is None else self._live.stream.step
+        return 0 if self._run is None else self._run.stream.step
 
     @property
     def last_stats(self) -> UpdateStats | None:
         """Statistics of the last ``init`` or ``update``."""
-        return None if self._live is None else self._live.stream.last_stats
+        return None if self._run is None else self._run.stream.last_stats
 
     @property
     def scheduler(self) -> Scheduler:
         """The live order and placement policy, for reading (``placement``, ``shares``, ``speeds``, ``moves``)."""
-        return self._require_live().stream.scheduler
+        return self._require_run().stream.scheduler
 
     @property
     def prefetched(self) -> tuple[int, ...]:
         """The subgroups read ahead in idle time for the next update, in the order they were started."""
-        return self._require_live().stream.prefetched
+        return self._require_run().stream.idle.prefetched
 
     @property
     def idle_io_done(self) -> bool:
         """Whether the idle-time write-back started by the last update has finished."""
-        return self._require_live().stream.engine.background_done()
+        return self._require_run().stream.engine.background_done()
 
     @property
     def jit_layout(self) -> JitLayout | None:
         """The mesh, specs and host CPU device the in-jit route runs on, or None where it cannot serve."""
-        return self._require_live().jit.layout
+        return self._require_run().jit.layout
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -163,24 +153,9 @@ class Offloader(ClosesOnExit):
         inputs.check_has_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
         key = (jax.tree_util.tree_structure(params), tuple(_signature(x) for x in leaves))
-        if self._last_plan is not None and self._last_plan.key == key:
-            return self._last_plan._replace(leaves=leaves)
-        sharding = LeafSharding.of(leaves)
-        config = self.config
-        check = dependence.check_optimizer(self.inner, params, config.master_dtype, dict(config.extra_args))
-        plan = partition.make_plan(
-            params,
-            self.inner,
-            config.subgroup_size,
-            config.master_dtype,
-            sharding.shards,
-            whole_leaves=check.whole_leaves,
-        )
-        oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
-        _warn_of(oversized, plan, config.subgroup_size)
-        notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
-        self._last_plan = _Planned(key, plan, sharding, leaves, notes)
-        return self._last_plan
+        if self._last_plan is None or self._last_plan.key != key:
+            self._last_plan = _plan(self.inner, self.config, params, key)
+        return self._last_plan._replace(leaves=leaves)
 
     def init(self, params: Any) -> OffloadState:
         """Plans the subgroups and streams the inner optimizer's initial state out to the tiers.
@@ -192,7 +167,7 @@ class Offloader(ClosesOnExit):
         if self.resume:
             return self._initialise(params, self._resume)
 
-        def write_initial_state(live: _Live, leaves: list[Any]) -> None:
+        def write_initial_state(live: Run, leaves: list[Any]) -> None:
             leaves = [jnp.asarray(x) for x in leaves]
             live.stream.write_initial_state(live.sharding.block_map(leaves), live.sharding.devices(live.plan, leaves))
 
@@ -215,7 +190,7 @@ class Offloader(ClosesOnExit):
             raise OffloadError("init_from writes a fresh state: create the mlp_offload without resume=True")
         return self._initialise(params, lambda live, _: live.stream.write_restored_state(step, load))
 
-    def _initialise(self, params: Any, populate: Callable[[_Live, list[Any]], None]) -> OffloadState:
+    def _initialise(self, params: Any, populate: Callable[[Run, list[Any]], None]) -> OffloadState:
         """Plans, opens the tiers, fills them with ``populate``, marks the paths."""
         accumulation.refuse_multisteps()
         if inputs.is_traced(params):
@@ -223,7 +198,7 @@ class Offloader(ClosesOnExit):
                 "mlp_offload(...).init was called inside a jax transformation (jit, eval_shape, ...); call init "
                 "eagerly on concrete params: it writes the initial optimizer state to storage"
             )
-        if self._live is not None:
+        if self._run is not None:
             raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
         self._check_open()
         planned = self._planned(params)
@@ -237,7 +212,7 @@ class Offloader(ClosesOnExit):
             stream = _open_stream(self.inner, config, plan, paths, self._run_key, self.on_stats, planned.notes)
             jit = JitRoute(plan, planned.sharding, planned.leaves, stream, config.peer_timeout)
             calls = CallChecks(self.inner, plan, stream.programs, config.accumulate_steps, config.extra_args)
-            live = _Live(plan, planned.sharding, stream, jit, calls)
+            live = Run(config, plan, planned.sharding, stream, jit, calls)
             populate(live, planned.leaves)
             for path in paths:
                 path.write_run_file(resume.run_identity(plan))
@@ -248,7 +223,7 @@ class Offloader(ClosesOnExit):
                 stream.engine.close()
             release_paths(paths)  # a live offload holds them until close; a failed init lets go
             raise
-        self._live = live
+        self._run = live
         shared = calls.shared_of([jnp.asarray(x) for x in stream.shared])
         return self._state_at(jnp.asarray(stream.step, jnp.int32), shared, plan, planned.leaves)
 
@@ -261,7 +236,7 @@ class Offloader(ClosesOnExit):
             step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
         )
 
-    def _resume(self, live: _Live, _: list[Any]) -> None:
+    def _resume(self, live: Run, _: list[Any]) -> None:
         step, locations = resume.last_complete_step(
             live.stream.engine,
             live.stream.tiers.paths,
@@ -271,13 +246,13 @@ class Offloader(ClosesOnExit):
         )
         live.stream.resume_at(step, locations)
 
-    def _require_live(self, verb: str | None = None) -> _Live:
-        if self._live is None:
+    def _require_run(self, verb: str | None = None) -> Run:
+        if self._run is None:
             called = "" if verb is None else f".{verb} was called before init; "
             raise OffloadError(
                 f"this mlp_offload{called or ' has not been initialised: '}call init (or restore a checkpoint) first"
             )
-        return self._live
+        return self._run
 
     def _check_open(self) -> None:
         if self._closed:
@@ -286,8 +261,8 @@ class Offloader(ClosesOnExit):
     def flush(self) -> None:
         """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
         self._check_open()
-        if self._live is not None:
-            self._live.stream.flush()
+        if self._run is not None:
+            self._run.stream.flush()
 
     def pin(self) -> Pin:
         """Flushes, then pins the current step so it can be read beside training (a checkpoint save).
@@ -298,7 +273,7 @@ class Offloader(ClosesOnExit):
         Returns:
           The :class:`~jax_mlp.storage.tier_stack.Pin`; call its ``release()`` when done, also on failure.
         """
-        live = self._require_live()
+        live = self._require_run()
         self._check_open()
         return live.stream.pin()
 
@@ -307,7 +282,7 @@ class Offloader(ClosesOnExit):
 
         The arrays are views of a record that nothing writes to again. Safe to call from any thread.
         """
-        return self._require_live().stream.tiers.read_pinned(pin, index)
+        return self._require_run().stream.tiers.read_pinned(pin, index)
 
     def set_caps(self, path: int | str, *, max_read: float | str | None = None, max_write: float | str | None = None):
         """Changes a path's bandwidth caps while training runs (e.g. to keep a shared PFS polite).
@@ -318,13 +293,13 @@ class Offloader(ClosesOnExit):
           max_write: the new write cap; None removes it.
         """
         caps = parse_rate(max_read, name="max_read"), parse_rate(max_write, name="max_write")
-        self._require_live().stream.tiers.set_caps(path, *caps)
+        self._require_run().stream.tiers.set_caps(path, *caps)
 
     def close(self, *, delete: bool = False) -> None:
         """Waits for queued jitted updates, flushes, stops the threads and, if ``delete``, removes the files."""
         if self._closed:
             return
-        live = self._live
+        live = self._run
         if live is not None:
             live.jit.settle()
         try:
@@ -353,65 +328,7 @@ class Offloader(ClosesOnExit):
         Called inside ``jax.jit``, it traces the in-jit route instead (see :mod:`jax_mlp.in_jit`).
         With ``accumulate_steps=k``, only every k-th call streams, with the mean of the k calls' gradients.
         """
-        live = self._live_for("update")
-        call = live.calls.check("update", updates, state, params, extra_args)
-        if call.traced:
-            leaves, state = self._update_in_jit(live, call, state)
-        elif self.config.accumulate_steps > 1:
-            leaves, state = self._accumulate(live, call, state)
-        else:
-            leaves, step, shared = self._stream(live, call, call.grads, state.step)
-            state = OffloadState(step, shared)
-        return jax.tree_util.tree_unflatten(live.plan.treedef, leaves), state
-
-    def _update_in_jit(self, live: _Live, call: Call, state: OffloadState) -> tuple[list, OffloadState]:
-        """Traces the update as the in-jit route's host callbacks (see :mod:`jax_mlp.in_jit`).
-
-        Accumulation is refused here: its choice would be a ``lax.cond`` around the host callback,
-        and that was seen to deadlock XLA's CPU runtime now and then (the callback's device work
-        waiting behind the caller's next step), so it is refused rather than left to hang.
-        """
-        accumulation.refuse_multisteps()
-        if self.config.accumulate_steps > 1:
-            raise OffloadError(
-                f"mlp_offload with accumulate_steps={self.config.accumulate_steps} was called inside jax.jit; "
-                "accumulation runs eagerly: call tx.update (or nnx.Optimizer.update) outside jit, with the jitted "
-                "loss and gradients before it, or accumulate in your jitted step and create the mlp_offload "
-                "without accumulate_steps"
-            )
-        uniform, new_shared = live.calls.uniform(call)
-        return live.jit.trace(call.grads, call.params, state.step, uniform), OffloadState(state.step + 1, new_shared)
-
-    def _accumulate(self, live: _Live, call: Call, state: OffloadState) -> tuple[list, OffloadState]:
-        """One eager call of an accumulation window: folds the grads in; the window's last call streams their mean.
-
-        The shared state moves on only with the update, as the inner state does in ``optax.MultiSteps``.
-        """
-        config, plan = self.config, live.plan
-        window = accumulation.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
-        means, carried = accumulation.add(call.grads, window, config.accumulator_dtype)
-        if int(window.mini_step) < config.accumulate_steps - 1:
-            live.stream.check_step(int(state.step))
-            live.stream.use_idle_window()
-            dtypes = tuple(update_dtype(plan, i) for i in range(len(plan.leaves)))
-            leaves, step, shared, window = (
-                accumulation.zero_updates(call.grads, dtypes),
-                state.step,
-                call.shared,
-                carried,
-            )
-        else:
-            leaves, step, shared = self._stream(live, call, means, state.step)
-            window = accumulation.empty_window(carried.acc_grads, config.accumulator_dtype)
-        acc_grads = jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
-        return leaves, OffloadState(step, shared, window.mini_step, acc_grads)
-
-    def _stream(self, live: _Live, call: Call, grads: list, step: jax.Array) -> tuple[list, jax.Array, Any]:
-        """One eager update from ``step`` with ``grads``: the update leaves, the new step and the new shared state."""
-        uniform, new_shared = live.calls.uniform(call)
-        blocks = Blocks.of(live.plan, live.sharding, grads, call.params, uniform)
-        results = live.stream.run_step(int(step), blocks, EAGER)
-        return live.sharding.assemble(live.plan, results), jnp.asarray(live.stream.step, jnp.int32), new_shared
+        return self._run_for("update").update(updates, state, params, extra_args)
 
     def apply(self, grads: Any, state: OffloadState, params: Any, **extra_args: Any) -> tuple[Any, OffloadState]:
         """The fused ``update`` plus ``optax.apply_updates``: the new params, written over the old ones.
@@ -442,23 +359,11 @@ class Offloader(ClosesOnExit):
           OffloadError: called inside ``jax.jit`` (use ``update`` and ``optax.apply_updates`` there),
             or an array is given twice among params and grads.
         """
-        live = self._live_for("apply")
-        call = live.calls.check("apply", grads, state, params, extra_args)
-        _refuse_to_apply(call, self.config.accumulate_steps)
-        inputs.check_distinct(live.plan, call.grads, call.params)
-        del grads, params
-        uniform, new_shared = live.calls.uniform(call)
-        blocks = Blocks.of(live.plan, live.sharding, call.grads, None, uniform)
-        results = NewParams(live.plan, live.sharding.block_map(call.params), call.grads, blocks.grads)
-        new_leaves = live.sharding.assemble(live.plan, live.stream.run_step(int(state.step), blocks, LATE_PUT, results))
-        for leaf in call.params:  # the replicas an owner's new block was copied to
-            leaf.delete()
-        new_params = jax.tree_util.tree_unflatten(live.plan.treedef, new_leaves)
-        return new_params, OffloadState(jnp.asarray(live.stream.step, jnp.int32), new_shared)
+        return self._run_for("apply").apply(grads, state, params, extra_args)
 
-    def _live_for(self, verb: str) -> _Live:
+    def _run_for(self, verb: str) -> Run:
         """The live state for a call of ``verb``, refusing one before ``init`` or after ``close``."""
-        live = self._require_live(verb)
+        live = self._require_run(verb)
         self._check_open()
         return live
 
@@ -496,27 +401,23 @@ def _open_stream(
     )
 
 
+def _plan(inner: optax.GradientTransformationExtraArgs, config: OffloadConfig, params: Any, key: Any) -> _Planned:
+    """Checks the optimizer on ``params`` (their shapes), then plans their subgroups; warns of oversized leaves."""
+    leaves = jax.tree_util.tree_leaves(params)
+    sharding = LeafSharding.of(leaves)
+    check = dependence.check_optimizer(inner, params, config.master_dtype, dict(config.extra_args))
+    plan = partition.make_plan(
+        params, inner, config.subgroup_size, config.master_dtype, sharding.shards, whole_leaves=check.whole_leaves
+    )
+    oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
+    _warn_of(oversized, plan, config.subgroup_size)
+    notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
+    return _Planned(key, plan, sharding, leaves, notes)
+
+
 def _signature(leaf: Any) -> tuple:
     """What a plan depends on of a param leaf: its shape, dtype and sharding."""
     return tuple(np.shape(leaf)), jnp.result_type(leaf), getattr(leaf, "sharding", None)
-
-
-def _refuse_to_apply(call: Call, accumulate_steps: int) -> None:
-    """Refuses an ``apply`` without params, inside a transformation, or with accumulation."""
-    if call.params is None:
-        raise OffloadError("mlp_offload.apply needs the params: call tx.apply(grads, opt_state, params)")
-    if accumulate_steps > 1:
-        raise OffloadError(
-            f"mlp_offload.apply does not accumulate gradients (accumulate_steps={accumulate_steps}); use updates, "
-            "opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, or average the "
-            "micro-batches' gradients yourself and create the mlp_offload without accumulate_steps"
-        )
-    if call.traced:
-        raise OffloadError(
-            "mlp_offload.apply was called inside a jax transformation (jit, grad, ...); it runs eagerly. Inside "
-            "jit use updates, opt_state = tx.update(grads, opt_state, params) and optax.apply_updates, donating "
-            "the params to the jitted step"
-        )
 
 
 def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:
@@ -525,5 +426,5 @@ def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:
             f"param {leaf} is kept whole in subgroup {index}, of {plan.subgroups[index].layout.nbytes} bytes, above "
             f"subgroup_size={subgroup_size}: its optimizer mixes its rows (adafactor, lamb, lars and muon do), so "
             "cutting it into row chunks would change the math. Expect that subgroup to take more memory and time",
-            stacklevel=5,
+            stacklevel=6,
         )

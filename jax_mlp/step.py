@@ -30,16 +30,16 @@ from jax_mlp.blocks import Blocks, NewParams, UpdateBlocks
 from jax_mlp.config import OffloadConfig
 from jax_mlp.engine import Engine, ReadAhead, Timings
 from jax_mlp.errors import OffloadError
+from jax_mlp.idle import IdleIO, fetch_counted
 from jax_mlp.partition import Plan
 from jax_mlp.programs import Programs
 from jax_mlp.scheduler import Scheduler
 from jax_mlp.sharding import BlockKey
 from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
-from jax_mlp.storage.cache import CacheEntry
 from jax_mlp.storage.capacity import check_capacity
 from jax_mlp.storage.paths import release_paths
 from jax_mlp.storage.record import HEADER_SIZE
-from jax_mlp.storage.tier_stack import Fetched, Locations, Pin, TierStack
+from jax_mlp.storage.tier_stack import Locations, Pin, TierStack
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class StateStream:
         self._run_key = run_key
         self._on_stats = on_stats
         self._init_notes = init_notes
-        self._ahead = ReadAhead()
+        self.idle = IdleIO(config, scheduler, tiers, engine, self.counters)
         self._total_compiles = 0
 
     # ----------------------------------------------------------------------------- filling the tiers
@@ -228,9 +228,8 @@ class StateStream:
         """Settles idle-time I/O, drops the records moves left behind, and remembers what to restore."""
         background_wait = self.engine.wait_background()
         self.tiers.drop_moved()
-        ahead, self._ahead = self._ahead, ReadAhead()
         placement = tuple(self.scheduler.placement)
-        return Transaction(self.step, placement, ahead, self.tiers.locations, background_wait)
+        return Transaction(self.step, placement, self.idle.take_ahead(), self.tiers.locations, background_wait)
 
     def stream(
         self, transaction: Transaction, blocks: Blocks, route: Route, results: Results
@@ -247,7 +246,7 @@ class StateStream:
             if early is not None:
                 fields = self.engine.result(early, f"reading subgroup {index} ahead")
             else:
-                fields = self._fetch(index, step)
+                fields = fetch_counted(self.tiers, self.counters, index, step)
             return route.load(fields, blocks.devices[index])
 
         def compute(index: int, fetched: Any) -> tuple:
@@ -275,15 +274,6 @@ class StateStream:
         if jax.process_count() > 1:
             what = f"the end of update step {self.step}"
             peers.barrier(f"{self._run_key}/update/{self.step}", self.config.peer_timeout, what)
-
-    def _fetch(self, index: int, step: int) -> Any:
-        """Reader thread: subgroup ``index``'s fields at ``step`` from the tiers, counted."""
-        fetched: Fetched = self.tiers.fetch(index, step)
-        if fetched.read is None:
-            self.counters.hit()
-        else:
-            self.counters.count(fetched.read)
-        return fetched.fields
 
     def _storer(self, step: int, placement: tuple[int, ...]) -> Callable[[int, tuple], None]:
         """The writer threads' store for records of ``step``, each to the path ``placement`` gives it."""
@@ -324,10 +314,7 @@ class StateStream:
         )
         self.last_stats = stats._replace(**notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update
-        if self.config.flush == "idle":
-            self._write_back_dirty()
-        if self.config.idle_prefetch:
-            self._read_ahead(self.config.prefetch_depth)
+        self.idle.after_update(step)
         self._report(self.last_stats)
 
     def _report(self, stats: UpdateStats) -> None:
@@ -338,52 +325,13 @@ class StateStream:
         except Exception:  # a logging failure must not desynchronise the step from the tiers
             logger.exception("the on_stats callback of mlp_offload raised; training goes on")
 
-    def _read_ahead(self, depth: int) -> None:
-        """Starts reading the next update's first ``depth`` uncached records while forward and backward run."""
-        step = self.step
-        started = self._ahead.keys()
-        for index in self.scheduler.order(step):
-            if len(started) >= depth:
-                return
-            if index not in started and not self.tiers.cache.holds(index, step):
-                self._ahead.add(index, self.engine.read_ahead(lambda k: self._fetch(k, step), index))
-                started = (*started, index)
-
     def use_idle_window(self) -> None:
-        """A call that only accumulates gradients: the disks stay idle for the next update, so read further ahead.
-
-        The idle-time write-back and prefetch started by the last update run on through the whole
-        window. Once the write-back has drained, the writers' share of host memory is free until the
-        next update, so the read-ahead grows to ``prefetch_depth + write_depth`` records: the update
-        consumes them first, before its own stores fill that share again.
-        """
-        if not self.config.idle_prefetch:
-            return
-        depth = self.config.prefetch_depth
-        if self.engine.background_done():
-            depth += self.config.write_depth
-        self._read_ahead(depth)
-
-    @property
-    def prefetched(self) -> tuple[int, ...]:
-        """The subgroups read ahead for the next update, in the order they were started."""
-        return self._ahead.keys()
-
-    def _write_back_dirty(self) -> None:
-        """Queues every dirty cached record for writing on the writer threads (idle-time I/O)."""
-        placement = tuple(self.scheduler.placement)
-
-        def write_back(index: int, entry: CacheEntry) -> None:
-            self.counters.count(self.tiers.write_back(index, entry, placement[index]))
-
-        for index, entry in self.tiers.cache.dirty():
-            self.engine.write_behind(write_back, index, entry)
+        """A call that only accumulates gradients: reads further ahead for the next update (see :class:`IdleIO`)."""
+        self.idle.use_window(self.step)
 
     def flush(self) -> None:
         """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
-        self._write_back_dirty()
-        self.engine.wait_background()
-        self.tiers.drop_moved()
+        self.idle.flush()
 
     def pin(self) -> Pin:
         """Flushes, then pins the current step for a reader beside training (see :meth:`TierStack.pin`)."""
@@ -393,7 +341,7 @@ class StateStream:
     def close(self, *, delete: bool) -> None:
         """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
         try:
-            self.engine.settle(self._ahead.take_all())
+            self.idle.settle()
             self.engine.close()
             self.tiers.cache.clear()
             if delete:
