@@ -30,6 +30,7 @@ from jax_mlp.config import OffloadConfig
 from jax_mlp.engine import Engine, Timings
 from jax_mlp.errors import OffloadError
 from jax_mlp.kernels import Programs
+from jax_mlp.model import starting_speed
 from jax_mlp.partition import Piece, Plan, Subgroup
 from jax_mlp.placement import BlockKey, LeafPlacement
 from jax_mlp.scheduler import Scheduler
@@ -37,7 +38,6 @@ from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread, upda
 from jax_mlp.storage.cache import HostCache
 from jax_mlp.storage.capacity import check_capacity
 from jax_mlp.storage.paths import PathStore, release_paths
-from jax_mlp.storage.probe import starting_speed
 from jax_mlp.storage.record import HEADER_SIZE, record_codec
 from jax_mlp.storage.tier_stack import Pin, TierStack
 
@@ -213,7 +213,7 @@ class StateStream:
             rebalance=config.rebalance,
         )
         self.counters = IOCounters([p.root for p in paths])
-        codec = record_codec(plan)
+        codec = record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash)
         self.tiers = TierStack(
             HostCache(config.host_cache), paths, plan.layout_hash, self.scheduler.path_of, self.counters, codec
         )
