@@ -143,7 +143,7 @@ def io_bound(moved: list[tuple[float, float]], caps: list[float]) -> float:
 def raw_bandwidth(directory: str, nbytes: int) -> PathSpeed:
     """The uncapped path through the same tier code: the disk the caps must stay well below."""
     os.makedirs(directory, exist_ok=True)
-    return probe(jax_mlp.Path(directory), total_bytes=nbytes, record_bytes=4 * 1024**2).speed
+    return model.measured_speed(probe(jax_mlp.Path(directory), total_bytes=nbytes, record_bytes=4 * 1024**2))
 
 
 class Tiers(NamedTuple):

@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 from jax_mlp import partition
 from jax_mlp.errors import OffloadError
 from jax_mlp.partition import Plan, Subgroup
+from jax_mlp.storage.record import CHUNK_BYTES
 
 MASTER = "master"
 STATE = "opt_state"
-_CHUNK_BYTES = 4 * 2**20  # a zarr3 chunk of about a record's chunk, where regions leave the choice
 _MIN_CHUNK_BYTES = 2**20  # chunks aligned with every region are kept down to this size
 
 Box = tuple[tuple[int, int], ...]
@@ -222,8 +222,8 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, blocks: Sequence[Box], ro
 
     Along axis 0 it also divides every written region's boundaries (``rows_gcd``, over all
     processes) when that leaves chunks of at least ``_MIN_CHUNK_BYTES``; otherwise it takes the
-    largest divisor of a block's rows up to ``_CHUNK_BYTES``, and the chunk a region boundary cuts
-    is written twice, by the same process (tensorstore merges the two writes).
+    largest divisor of a block's rows up to ``CHUNK_BYTES`` (about a record's chunk), and the chunk a
+    region boundary cuts is written twice, by the same process (tensorstore merges the two writes).
     """
     if not shape:
         return ()
@@ -233,4 +233,4 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, blocks: Sequence[Box], ro
     if aligned == base[0] or aligned * row_bytes >= _MIN_CHUNK_BYTES:
         return (aligned, *base[1:])
     divisors = {d for k in range(1, math.isqrt(base[0]) + 1) if base[0] % k == 0 for d in (k, base[0] // k)}
-    return (max([aligned, *(d for d in divisors if d * row_bytes <= _CHUNK_BYTES)]), *base[1:])
+    return (max([aligned, *(d for d in divisors if d * row_bytes <= CHUNK_BYTES)]), *base[1:])

@@ -14,12 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from jax_mlp import model, quantized
-from jax_mlp.config import Path, parse_rate, parse_size
+from jax_mlp.config import Path, format_bytes, parse_rate, parse_size
 from jax_mlp.errors import OffloadError
 from jax_mlp.model import PathSpeed
 from jax_mlp.scheduler import weighted_interleave
-from jax_mlp.stats import format_bytes
-from jax_mlp.storage import capacity
+from jax_mlp.storage import capacity, local
 from jax_mlp.storage.record import HEADER_SIZE
 
 PROG = "jax-mlp"
@@ -76,14 +75,6 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bytes(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.3g} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def _rate(text: str, what: str) -> float:
     try:
         return parse_rate(text, name=what)
@@ -133,13 +124,13 @@ def probe_command(args: argparse.Namespace) -> int:
             results.append(probe(Path(location), total_bytes=total, record_bytes=record, inflight=args.inflight))
         except OffloadError as error:
             raise UsageError(str(error)) from None
-        rooms.append(capacity.room(location))
+        rooms.append(local.room(location))
     needs = None
     if args.state is not None:
         records = _records(
             parse_size(args.state, name="--state"), parse_size(args.subgroup_size, name="--subgroup-size")
         )
-        needs = _needs([r.speed for r in results], records, [room.block for room in rooms])
+        needs = _needs([model.measured_speed(r) for r in results], records, [room.block for room in rooms])
     print(f"{'path':<40} {'write':>12} {'read':>12} {'free':>12}" + (f" {'needs':>12}" if needs else ""))
     for index, (result, room) in enumerate(zip(results, rooms, strict=True)):
         line = f"{result.path:<40} {result.write_bandwidth / 1e6:>9.0f} MB/s {result.read_bandwidth / 1e6:>9.0f} MB/s"
@@ -156,7 +147,7 @@ def _free(name: str, need: int) -> str:
     """The free space of a path named by a directory on this machine (marked if short of ``need``), else ``-``."""
     if not os.path.isdir(name):
         return "-"
-    free = capacity.room(name).free
+    free = local.room(name).free
     return format_bytes(free) + (" (short)" if need > free else "")
 
 
@@ -177,8 +168,8 @@ def plan_command(args: argparse.Namespace) -> int:
     )
     full = model.predict_variant(model.ABLATION[-1], speeds, **common)
     print(
-        f"{args.params:.3g} params, {per_param:.3g} B of offloaded state each: {_bytes(state)} per process, "
-        f"{processes_per_node} process(es) per node, host cache {_bytes(cache)} per process"
+        f"{args.params:.3g} params, {per_param:.3g} B of offloaded state each: {format_bytes(state)} per process, "
+        f"{processes_per_node} process(es) per node, host cache {format_bytes(cache)} per process"
     )
     print(f"predicted update time: {_seconds(full.seconds)}\n")
     needs = _needs(speeds, _records(state, record), [capacity.BLOCK] * len(speeds))
@@ -190,10 +181,10 @@ def plan_command(args: argparse.Namespace) -> int:
         speeds, full.shares, full.bytes_read, full.bytes_written, full.path_seconds, needs, strict=True
     ):
         print(
-            f"{speed.name:<12} {share:>7.1%} {_bytes(read):>14} {_bytes(written):>15} {_seconds(busy):>10} "
+            f"{speed.name:<12} {share:>7.1%} {format_bytes(read):>14} {format_bytes(written):>15} {_seconds(busy):>10} "
             f"{format_bytes(need * processes_per_node):>12} {_free(speed.name, need * processes_per_node):>12}"
         )
-    print(f"(+ {_bytes(full.idle_write_bytes)} written back from the cache between updates)")
+    print(f"(+ {format_bytes(full.idle_write_bytes)} written back from the cache between updates)")
     print(
         f"(needs/node: two slots of each record of the path's share, for the {processes_per_node} process(es) of "
         f"a node, plus {capacity.HEADROOM:.0%} headroom; free: where NAME is a directory here)\n"

@@ -1,4 +1,4 @@
-"""Configuration: one frozen dataclass, validated once, with human sizes ("256MiB")."""
+"""Configuration: one frozen dataclass, validated once, with human sizes ("256MiB") in and out."""
 
 from __future__ import annotations
 
@@ -79,6 +79,22 @@ def parse_rate(value: int | float | str | None, *, name: str = "rate") -> float 
     if rate <= 0:
         raise ValueError(f"{name}={value!r} must be positive")
     return rate
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` with a binary unit, e.g. ``"1.5 MiB"``: the inverse of :func:`parse_size`, for messages.
+
+    Args:
+      nbytes: a number of bytes.
+
+    Returns:
+      The size, with one decimal above a KiB.
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{int(nbytes)} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
 
 
 def _normalise_location(location: str | os.PathLike | dict) -> str | dict:

@@ -9,7 +9,9 @@ One update's critical path, for ``N`` records of ``r`` bytes and a cache of ``C`
 
 A path moves its share as one pipe: ``time_i = read_i / read_bw_i + write_i / write_bw_i``. The
 update takes the slowest path's time (or the compute time, if larger) plus the pipeline's fill.
-The scheduler splits subgroups with :func:`best_split`, so the plan and the run agree.
+The scheduler splits subgroups with :func:`best_split`, so the plan and the run agree. Each path
+starts at the bandwidths it declares, or that the probe measures (:func:`starting_speed`), and the
+scheduler corrects them with what it measures while running.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from jax_mlp.config import Path
+from jax_mlp.storage.probe import ProbeResult, probe
+
+DEFAULT_BANDWIDTH = 1e9
+"""Bytes/s assumed for a path with nothing declared, probed or capped: measurement corrects it."""
+INIT_PROBE_BYTES = 64 * 1024**2
+"""Bytes the probe moves on each path at ``init`` when asked to (the ``probe`` option)."""
 
 
 class PathSpeed(NamedTuple):
@@ -48,6 +58,32 @@ def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
     speeds = [1 / p.seconds_per_byte for p in paths]
     total = sum(speeds)
     return tuple(s / total for s in speeds)
+
+
+def measured_speed(result: ProbeResult) -> PathSpeed:
+    """A probe's measurement of a path, as the model's speed of it."""
+    return PathSpeed(result.path, result.read_bandwidth, result.write_bandwidth)
+
+
+def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
+    """A path's bandwidths before any update: declared, else probed (if asked), else its caps.
+
+    With none of these, every path starts equal; measurement while running corrects it.
+
+    Args:
+      path: the configured path.
+      run_probe: whether to measure a bandwidth the path does not declare.
+
+    Returns:
+      The path's speed.
+    """
+    read, write = path.read_bandwidth, path.write_bandwidth
+    if (read is None or write is None) and run_probe:
+        measured = probe(path, total_bytes=INIT_PROBE_BYTES)
+        read, write = read or measured.read_bandwidth, write or measured.write_bandwidth
+    read = read or path.max_read or write or path.max_write or DEFAULT_BANDWIDTH
+    write = write or path.max_write or read
+    return PathSpeed(path.name, read, write)
 
 
 def critical_records(num_records: int, cached_records: int, *, alternate: bool) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ from jax_mlp.config import OffloadConfig, parse_rate
 from jax_mlp.engine import Engine
 from jax_mlp.errors import OffloadError
 from jax_mlp.in_jit import JitLayout, JitRoute
+from jax_mlp.model import starting_speed
 from jax_mlp.partition import Plan
 from jax_mlp.programs import Programs
 from jax_mlp.run import Run
@@ -33,7 +34,6 @@ from jax_mlp.stats import UpdateStats
 from jax_mlp.step import StateStream
 from jax_mlp.storage.cache import HostCache
 from jax_mlp.storage.paths import PathStore, open_paths, release_paths
-from jax_mlp.storage.probe import starting_speed
 from jax_mlp.storage.record import HEADER_SIZE, record_codec
 from jax_mlp.storage.tier_stack import Pin, TierStack
 
@@ -386,7 +386,12 @@ def _open_stream(
         placement=config.placement,
         rebalance=config.rebalance,
     )
-    tiers = TierStack(HostCache(config.host_cache), paths, plan.layout_hash, record_codec(plan))
+    tiers = TierStack(
+        HostCache(config.host_cache),
+        paths,
+        plan.layout_hash,
+        record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash),
+    )
     engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
     return StateStream(
         config,

@@ -5,7 +5,8 @@ or row chunks along axis 0 of either when larger than the subgroup size. A subgr
 on one device, where its update runs. Its *view* is the user's full tree with ``None`` in place of every leaf outside the
 subgroup, so masks and per-leaf optimizers see the tree they were written for. The inner optimizer's
 state for a view is exactly ``inner.init(view)``; its flattened leaves (plus master params, if any)
-are laid out back to back, 64-byte aligned, in the subgroup's record payload.
+are laid out back to back, 64-byte aligned, in the subgroup's record payload: its
+:class:`~jax_mlp.storage.record.RecordLayout`, which :func:`~jax_mlp.storage.record.pack` fills.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import optax
 
 from jax_mlp.errors import OffloadError
+from jax_mlp.storage.record import Field, RecordLayout
 
 ALIGN = 64
 
@@ -57,27 +59,6 @@ class Piece(NamedTuple):
     def device(self) -> int | None:
         """The device id the piece lives on, or None for a leaf on a single device."""
         return None if self.shard is None else self.shard.device
-
-
-class Field(NamedTuple):
-    """One array inside a record payload."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-class RecordLayout(NamedTuple):
-    """Where each state leaf and master leaf of a subgroup lives inside its record payload."""
-
-    state_treedef: Any
-    state_fields: tuple[Field, ...]
-    master_fields: tuple[Field, ...]
-    nbytes: int
 
 
 class Subgroup(NamedTuple):
@@ -387,32 +368,3 @@ def make_plan(
         master_shapes = state_pieces if master_dtype is not None else []
         subgroups.append(Subgroup(index, tuple(pieces), _layout(state_shapes, master_shapes)))
     return Plan(treedef, specs, tuple(subgroups), master_dtype, _hash_plan(treedef, specs, subgroups, master_dtype))
-
-
-def pack(
-    layout: RecordLayout, state_leaves: Sequence[np.ndarray], master_leaves: Sequence[np.ndarray], out: np.ndarray
-) -> None:
-    """Copies a subgroup's state and master leaves into ``out``, a uint8 payload buffer.
-
-    Every byte of ``out`` is written, the alignment gaps with zeros, so ``out`` may hold old data.
-    """
-    end = 0
-    for field, value in zip(
-        (*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True
-    ):
-        value = np.asarray(value)
-        if value.shape != field.shape or value.dtype != field.dtype:
-            raise ValueError(f"state leaf {value.shape} {value.dtype} does not match its record field {field}")
-        out[end : field.offset] = 0
-        out[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)[...] = value
-        end = field.offset + field.nbytes
-    out[end:] = 0
-
-
-def unpack(layout: RecordLayout, payload: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Views of a record payload as the subgroup's state leaves and master leaves (no copy)."""
-
-    def read(field: Field) -> np.ndarray:
-        return payload[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)
-
-    return [read(f) for f in layout.state_fields], [read(f) for f in layout.master_fields]

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jax_mlp.config import format_bytes
+
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = threading.local()
 EVENT_KINDS = ("read", "compute", "write")
@@ -166,22 +168,6 @@ class UpdateStats(NamedTuple):
                 f"{self.placement.get(path, 0):>9}"
             )
         return "\n".join(lines)
-
-
-def format_bytes(nbytes: float) -> str:
-    """``nbytes`` with a binary unit, e.g. ``"1.5 MiB"``.
-
-    Args:
-      nbytes: a number of bytes.
-
-    Returns:
-      The size, with one decimal above a KiB.
-    """
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{int(nbytes)} B" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
 
 
 class IOCounters:

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import grads_at, make_params
+from faults import inject_write_faults
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -128,23 +129,10 @@ def test_apply_of_sharded_params_keeps_their_sharding_and_matches_update(tmp_pat
     tx.close(delete=True)
 
 
-def _fail_record_writes(monkeypatch) -> None:
-    """Every record write fails as on a full disk, until ``monkeypatch.undo()``."""
-    from test_faults import _FailingArray
-
-    from jax_mlp.storage.paths import PathStore
-
-    original = PathStore._array
-
-    def failing(self, subgroup, slot, nbytes, *, create):
-        array = original(self, subgroup, slot, nbytes, create=create)
-        return _FailingArray(array, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) if create else array
-
-    monkeypatch.setattr(PathStore, "_array", failing)
-
-
 def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_params_back(tmp_path, monkeypatch):
     """apply consumes the params, so after a failure mid-stream they come back from the masters in the tiers."""
+
+    fault = inject_write_faults(monkeypatch)
 
     def run(path, steps, fail_at=None):
         tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
@@ -154,10 +142,10 @@ def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_para
         for step in range(steps):
             if step == fail_at:
                 tx.flush()
-                _fail_record_writes(monkeypatch)
+                fault.fail(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))  # every record write, as on a full disk
                 with pytest.raises(jax_mlp.PathError, match="is full"):
                     tx.apply(grads_at(params, step), state, params)
-                monkeypatch.undo()
+                fault.clear()
                 assert tx.offloader.step == step and any(x.is_deleted() for x in jax.tree.leaves(params))
                 params = jax_mlp.checkpoint.restore_params(tx, like)
             params, state = tx.apply(grads_at(params, step), state, params)

@@ -23,7 +23,7 @@ import pytest
 from conftest import assert_same_bits, make_params, train
 
 import jax_mlp
-from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.paths import open_path
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = {"subgroup_size": "32KiB", "host_cache": "80KiB", "master_dtype": jnp.float32}
@@ -153,7 +153,7 @@ def test_kill_9_during_an_update_resumes_from_the_tiers_bitwise(point, killed, u
     step = int(state.step)
     assert step == RESUMES_AT[point], f"killed at {where}, resumed at step {step}"
     if "path" in where:  # the half-written record is there, and its checksum rejects it
-        torn = PathStore(where["path"])
+        torn = open_path(jax_mlp.Path(where["path"]))
         assert (Path(torn.directory) / f"sg{where['subgroup']:06d}.{where['slot']}" / "zarr.json").exists()
         assert torn.verified_step(where["subgroup"], where["slot"], tx.offloader.plan.layout_hash) is None
     params = jax_mlp.restore_params(tx, like)

@@ -18,10 +18,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import abstract, assert_same_bits, make_params, max_relative_deviation, tmpfs, train
+from faults import inject_write_faults
 
 import jax_mlp
 from jax_mlp.storage import capacity
-from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.paths import open_path
 from jax_mlp.storage.record import HEADER_SIZE, verify
 
 # A fixed placement, so each fault hits the path it is made on: a rebalancing move could take every
@@ -106,19 +107,6 @@ def test_a_path_remounted_read_only_names_the_path_and_the_update_can_be_retried
     assert_same_bits(params, reference[8])
 
 
-class _FailingArray:
-    """A tensorstore array whose writes fail with ``error``, as the OS would make them."""
-
-    def __init__(self, array, error):
-        self._array, self._error = array, error
-
-    def __getattr__(self, name):
-        return getattr(self._array, name)
-
-    def write(self, value):
-        raise self._error
-
-
 TENSORSTORE_ENOSPC = ValueError(
     'RESOURCE_EXHAUSTED: Error writing local file "c/0": Failed to write 8320 bytes to file 3: No space left on '
     "device [os_error_code='28']"
@@ -140,20 +128,15 @@ TENSORSTORE_EROFS = ValueError(
     ids=["enospc", "tensorstore-enospc", "erofs", "tensorstore-erofs", "eacces"],
 )
 def test_injected_os_errors_name_the_path_and_remedy_and_lose_nothing(paths, reference, monkeypatch, error, message):
+    fault = inject_write_faults(monkeypatch)
     tx, params, state = start(paths[:2])
     params, state = train(tx, params, state, range(2))
     tx.flush()  # the idle-time write-back of step 2 is done: the fault hits update 2's own writes
     broken = str(paths[1])
-    original = PathStore._array
-
-    def failing(self, subgroup, slot, nbytes, *, create):
-        array = original(self, subgroup, slot, nbytes, create=create)
-        return _FailingArray(array, error) if self.root == broken and create else array
-
-    monkeypatch.setattr(PathStore, "_array", failing)
+    fault.fail(error, root=broken)
     with pytest.raises(jax_mlp.PathError, match=rf"writing record {broken}/proc0000/sg\d+\.1: path {broken} {message}"):
         train(tx, params, state, [2])
-    monkeypatch.undo()  # space freed, permissions fixed
+    fault.clear()  # space freed, permissions fixed
     params, _ = train(tx, params, state, range(2, 8))
     tx.close()
     assert_same_bits(params, reference[8])
@@ -243,7 +226,7 @@ def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference
     train(tx, params, state, range(3))
     layout_hash = tx.offloader.plan.layout_hash
     tx.close()
-    store = PathStore(str(paths[0]))
+    store = open_path(jax_mlp.Path(paths[0]))
     record = store.read(2, 3 % 2)
     shutil.rmtree(record_dir(paths[0], 2, 3 % 2))
     store.write(2, 3 % 2, record[: HEADER_SIZE + (record.nbytes - HEADER_SIZE) // 2])

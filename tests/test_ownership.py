@@ -25,7 +25,7 @@ from conftest import abstract, as_bits, make_params, train
 
 import jax_mlp
 from jax_mlp.storage import ownership
-from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.paths import open_path
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = {"subgroup_size": "16KiB", "master_dtype": jnp.float32}
@@ -76,14 +76,14 @@ def test_a_failed_init_lets_go_of_the_paths(paths):
 
 
 def test_processes_sharing_a_path_hold_their_own_run_directories(tmp_path):
-    stores = [PathStore(str(tmp_path), index) for index in (0, 1)]
+    stores = [open_path(jax_mlp.Path(tmp_path), index) for index in (0, 1)]
     for store in stores:
         store.hold()
     with pytest.raises(jax_mlp.PathInUseError, match=rf"run directory {tmp_path}/proc0001 is held"):
-        PathStore(str(tmp_path), 1).hold()
+        open_path(jax_mlp.Path(tmp_path), 1).hold()
     for store in stores:
         store.release()
-    again = PathStore(str(tmp_path), 1)
+    again = open_path(jax_mlp.Path(tmp_path), 1)
     again.hold()
     again.release()
 
@@ -129,7 +129,7 @@ def test_a_writer_in_another_process_is_refused_and_after_kill_9_resume_works(tm
                 r"resume=True",
             ):
                 offload(paths, node_lock=tmp_path / "node_lock", resume=resume).init(make_params(dtype=jnp.bfloat16))
-        neighbour = PathStore(str(paths[0]), 1)  # another process's run directory on the same path
+        neighbour = open_path(jax_mlp.Path(paths[0]), 1)  # another process's run directory on the same path
         neighbour.hold()
         neighbour.release()
     finally:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_mlp import partition
+from jax_mlp.storage import record
 
 shapes = st.lists(st.integers(1, 40), min_size=0, max_size=3).map(tuple)
 trees = st.recursive(
@@ -67,12 +68,12 @@ def test_pack_and_unpack_round_trip():
         np.arange(np.prod(f.shape), dtype=f.dtype).reshape(f.shape) + i for i, f in enumerate(layout.state_fields)
     ]
     payload = np.zeros(layout.nbytes, np.uint8)
-    partition.pack(layout, values, [], payload)
-    state, master = partition.unpack(layout, payload)
+    record.pack(layout, values, [], payload)
+    state, master = record.unpack(layout, payload)
     assert master == []
     for got, want in zip(state, values, strict=True):
         np.testing.assert_array_equal(got, want)
     # A reused buffer full of old bytes packs to the same payload: every byte, gaps too, is written.
     reused = np.full(layout.nbytes, 0xFF, np.uint8)
-    partition.pack(layout, values, [], reused)
+    record.pack(layout, values, [], reused)
     np.testing.assert_array_equal(reused, payload)

@@ -7,7 +7,7 @@ the lock file, the file system's own metadata, and a rebalancing that moves a fe
 
 The check runs when ``init`` (or a restore) is about to write the first record. Bytes the run
 directory already takes count as free, since its records are rewritten in place; paths on one file
-system share its free space. Kvstore paths report no free space and are not checked.
+system share its free space. A path whose backend reports no free space (a kvstore) is not checked.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
+from jax_mlp.config import format_bytes
 from jax_mlp.errors import PathError
-from jax_mlp.stats import format_bytes
+from jax_mlp.storage.backend import Room
 from jax_mlp.storage.buffers import round_up
 from jax_mlp.storage.paths import PathStore
 from jax_mlp.storage.record import chunk_bytes
@@ -30,20 +30,6 @@ BLOCK = 4096
 _METADATA_BLOCKS = 3  # a slot's zarr.json, its directory and its chunk directory
 
 
-class Room(NamedTuple):
-    """A directory's file system, as the capacity check sees it.
-
-    Attributes:
-      free: bytes free to this user.
-      block: the file system's block size.
-      device: the file system's id (``st_dev``), to add up paths that share one.
-    """
-
-    free: int
-    block: int
-    device: int
-
-
 def slot_bytes(record_nbytes: int, block: int = BLOCK) -> int:
     """Bytes one slot of a record of ``record_nbytes`` takes on a file system of ``block``-byte blocks."""
     chunk = chunk_bytes(record_nbytes)
@@ -53,12 +39,6 @@ def slot_bytes(record_nbytes: int, block: int = BLOCK) -> int:
 def need(record_bytes: Iterable[int], block: int = BLOCK) -> int:
     """Bytes a path needs for two slots of each record in ``record_bytes`` (their sizes), plus ``HEADROOM``."""
     return math.ceil(2 * sum(slot_bytes(nbytes, block) for nbytes in record_bytes) * (1 + HEADROOM))
-
-
-def room(directory: str) -> Room:
-    """The free space of ``directory``'s file system."""
-    stats = os.statvfs(directory)
-    return Room(stats.f_bavail * stats.f_frsize, stats.f_frsize, os.stat(directory).st_dev)
 
 
 def held_bytes(directory: str) -> int:
@@ -88,14 +68,14 @@ def check_capacity(paths: Sequence[PathStore], record_bytes: Sequence[int], plac
     """
     by_device: dict[int, list[tuple[PathStore, Room, int, int]]] = {}
     for index, path in enumerate(paths):
-        if not path.is_local:
+        space = path.backend.room()
+        if space is None:
             continue
         records = [nbytes for nbytes, at in zip(record_bytes, placement, strict=True) if at == index]
-        space = room(path.directory)
         by_device.setdefault(space.device, []).append((path, space, need(records, space.block), len(records)))
     for group in by_device.values():
         needed = sum(n for _, _, n, _ in group)
-        held = sum(held_bytes(path.directory) for path, _, _, _ in group)
+        held = sum(held_bytes(path.directory) for path, _, _, _ in group)  # a path with room is a directory here
         free = group[0][1].free
         if needed > free + held:
             raise PathError(_shortage(group, needed, free, held))

@@ -16,24 +16,26 @@ from typing import NamedTuple
 import numpy as np
 
 from jax_mlp.config import Path
-from jax_mlp.model import PathSpeed
-from jax_mlp.storage.paths import PathStore, open_path
+from jax_mlp.storage.paths import open_path
 from jax_mlp.storage.record import new_record, seal
 
 PROBE_DIRECTORY = ".jax_mlp_probe"
 
 
 class ProbeResult(NamedTuple):
-    """One path's measured bandwidths."""
+    """One path's measured bandwidths.
+
+    Attributes:
+      path: the path's name.
+      read_bandwidth: bytes/s read.
+      write_bandwidth: bytes/s written.
+      nbytes: bytes moved each way.
+    """
 
     path: str
     read_bandwidth: float
     write_bandwidth: float
     nbytes: int
-
-    @property
-    def speed(self) -> PathSpeed:
-        return PathSpeed(self.path, self.read_bandwidth, self.write_bandwidth)
 
 
 def _scratch(path: Path) -> Path:
@@ -46,6 +48,7 @@ def _scratch(path: Path) -> Path:
 
 
 def drop_page_cache(directory: str) -> None:
+    """Syncs every file under ``directory`` and drops it from the page cache, so reads come from the device."""
     for root, _, files in os.walk(directory):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -56,7 +59,7 @@ def drop_page_cache(directory: str) -> None:
                 os.close(fd)
 
 
-def _timed(store: PathStore, calls: list, inflight: int) -> float:
+def _timed(calls: list, inflight: int) -> float:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(inflight) as pool:
         list(pool.map(lambda call: call(), calls))
@@ -83,30 +86,11 @@ def probe(
     record[64:] = np.random.default_rng(0).integers(0, 256, record_bytes, dtype=np.uint8)
     seal(record, 0, bytes(16))
     try:
-        written = _timed(store, [lambda k=k: store.write(k, 0, record) for k in range(count)], inflight)
+        written = _timed([lambda k=k: store.write(k, 0, record) for k in range(count)], inflight)
         if not isinstance(path.location, dict):
             drop_page_cache(store.directory)
-        read = _timed(store, [lambda k=k: store.read(k, 0) for k in range(count)], inflight)
+        read = _timed([lambda k=k: store.read(k, 0) for k in range(count)], inflight)
     finally:
         store.remove()
     nbytes = count * record.nbytes
     return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes)
-
-
-DEFAULT_BANDWIDTH = 1e9
-"""Bytes/s assumed for a path with nothing declared, probed or capped: measurement corrects it."""
-INIT_PROBE_BYTES = 64 * 1024**2
-
-
-def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
-    """A path's bandwidths before any update: declared, else probed (if asked), else its caps.
-
-    With none of these, every path starts equal; measurement while running corrects it.
-    """
-    read, write = path.read_bandwidth, path.write_bandwidth
-    if (read is None or write is None) and run_probe:
-        measured = probe(path, total_bytes=INIT_PROBE_BYTES)
-        read, write = read or measured.read_bandwidth, write or measured.write_bandwidth
-    read = read or path.max_read or write or path.max_write or DEFAULT_BANDWIDTH
-    write = write or path.max_write or read
-    return PathSpeed(path.name, read, write)

@@ -2,14 +2,15 @@
 
 A record is a 64-byte header (magic, version, step, payload size, layout hash, and a CRC-32 of the
 header and payload) followed by the raw payload: the subgroup's state leaves, then its master
-leaves, each at a 64-byte-aligned offset (see :class:`jax_mlp.partition.RecordLayout`). Step ``s``
-of subgroup ``k`` lives in slot ``s % 2`` of its path, so writing step ``s + 1`` never touches step ``s``.
+leaves, each at a 64-byte-aligned offset (its :class:`RecordLayout`, computed by :mod:`jax_mlp.partition`).
+Step ``s`` of subgroup ``k`` lives in slot ``s % 2`` of its path, so writing step ``s + 1`` never touches step ``s``.
 """
 
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -18,17 +19,39 @@ import numpy as np
 # verifies) at 28 GB/s here against zlib's 2.5; a hardware CRC32C was no faster (docs/efficiency.md).
 from isal.isal_zlib import crc32
 
-from jax_mlp import partition
 from jax_mlp.errors import RecordError
-from jax_mlp.partition import Plan
 from jax_mlp.storage.buffers import ALIGNMENT, aligned_buffer, round_up
 
 HEADER_SIZE = 64
 CHUNK_BYTES = 4 * 1024**2
+"""About the size of a record's zarr3 chunk (see :func:`chunk_bytes`), and of a checkpoint's where it has the choice."""
+RECORD_REMEDY = "restore the last checkpoint, or resume from the tiers at the last complete step"
+"""What to do about a record that is missing, damaged or of another step."""
 _MAGIC = b"JMLP"
 _VERSION = 1
 _HEADER = struct.Struct("<4sHxxqQ16s")  # magic, version, step, payload bytes, layout hash
 _CRC_OFFSET = HEADER_SIZE - 4  # the CRC-32 of bytes [0, 60) and of the payload ends the header
+
+
+class Field(NamedTuple):
+    """One array inside a record payload."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class RecordLayout(NamedTuple):
+    """Where each state leaf and master leaf of a subgroup lives inside its record payload."""
+
+    state_treedef: Any
+    state_fields: tuple[Field, ...]
+    master_fields: tuple[Field, ...]
+    nbytes: int
 
 
 def record_name(subgroup: int, slot: int) -> str:
@@ -54,7 +77,7 @@ def new_record(payload_nbytes: int, *, zeroed: bool = True) -> np.ndarray:
     Args:
       payload_nbytes: the payload's size.
       zeroed: zero the header and payload too; pass False when the caller writes every byte (as
-        :func:`jax_mlp.partition.pack` and :func:`seal` do), which saves a pass over a reused buffer.
+        :func:`pack` and :func:`seal` do), which saves a pass over a reused buffer.
     """
     nbytes = HEADER_SIZE + payload_nbytes
     buffer = aligned_buffer(round_up(nbytes, chunk_bytes(nbytes)), zeroed=zeroed)
@@ -96,11 +119,13 @@ class Header(NamedTuple):
 def read_header(record: np.ndarray, name: str) -> Header:
     """Decodes a record's header; raises RecordError naming ``name`` when it is not one."""
     if record.nbytes < HEADER_SIZE:
-        raise RecordError(f"record {name} is truncated ({record.nbytes} bytes, less than its header)")
+        raise RecordError(f"record {name} is truncated ({record.nbytes} bytes, less than its header); {RECORD_REMEDY}")
     magic, version, step, nbytes, layout_hash = _HEADER.unpack(record[: _HEADER.size].tobytes())
     (checksum,) = struct.unpack("<I", record[_CRC_OFFSET:HEADER_SIZE].tobytes())
     if magic != _MAGIC or version != _VERSION:
-        raise RecordError(f"record {name} has no jax_mlp header: it is not a jax_mlp record or it was never written")
+        raise RecordError(
+            f"record {name} has no jax_mlp header: it is not a jax_mlp record or it was never written; {RECORD_REMEDY}"
+        )
     return Header(step, nbytes, layout_hash, checksum)
 
 
@@ -111,21 +136,50 @@ def verify(record: np.ndarray, *, name: str, step: int, layout_hash: bytes) -> n
       RecordError: naming the record, when the header, size, checksum, layout hash or step is wrong.
     """
     header = read_header(record, name)
-    remedy = "restore the last checkpoint, or resume from the tiers at the last complete step"
     if header.payload_nbytes != record.nbytes - HEADER_SIZE:
         raise RecordError(
-            f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; {remedy}"
+            f"record {name} is truncated: {record.nbytes - HEADER_SIZE} of {header.payload_nbytes} bytes; "
+            + RECORD_REMEDY
         )
     if _checksum(record) != header.checksum:
-        raise RecordError(f"record {name} fails its checksum: it is corrupt or torn; {remedy}")
+        raise RecordError(f"record {name} fails its checksum: it is corrupt or torn; {RECORD_REMEDY}")
     if header.layout_hash != layout_hash:
         raise RecordError(
             f"record {name} belongs to another run or subgroup layout (layout hash {header.layout_hash.hex()}, "
             f"expected {layout_hash.hex()}); use a fresh directory or the same params, optimizer and subgroup_size"
         )
     if header.step != step:
-        raise RecordError(f"record {name} holds step {header.step}, expected step {step}; {remedy}")
+        raise RecordError(f"record {name} holds step {header.step}, expected step {step}; {RECORD_REMEDY}")
     return payload_of(record)
+
+
+def pack(
+    layout: RecordLayout, state_leaves: Sequence[np.ndarray], master_leaves: Sequence[np.ndarray], out: np.ndarray
+) -> None:
+    """Copies a subgroup's state and master leaves into ``out``, a uint8 payload buffer.
+
+    Every byte of ``out`` is written, the alignment gaps with zeros, so ``out`` may hold old data.
+    """
+    end = 0
+    for field, value in zip(
+        (*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True
+    ):
+        value = np.asarray(value)
+        if value.shape != field.shape or value.dtype != field.dtype:
+            raise ValueError(f"state leaf {value.shape} {value.dtype} does not match its record field {field}")
+        out[end : field.offset] = 0
+        out[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)[...] = value
+        end = field.offset + field.nbytes
+    out[end:] = 0
+
+
+def unpack(layout: RecordLayout, payload: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Views of a record payload as the subgroup's state leaves and master leaves (no copy)."""
+
+    def read(field: Field) -> np.ndarray:
+        return payload[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)
+
+    return [read(f) for f in layout.state_fields], [read(f) for f in layout.master_fields]
 
 
 class RecordCodec(NamedTuple):
@@ -140,17 +194,25 @@ class RecordCodec(NamedTuple):
     unpack: Callable[[int, np.ndarray], Any]
 
 
-def record_codec(plan: Plan) -> RecordCodec:
-    """Packs a subgroup's (state leaves, master leaves) into a sealed record by its layout, and back."""
+def record_codec(layouts: Sequence[RecordLayout], layout_hash: bytes) -> RecordCodec:
+    """Packs a subgroup's (state leaves, master leaves) into a sealed record by its layout, and back.
 
-    def pack(index: int, fields: tuple, step: int) -> np.ndarray:
-        layout = plan.subgroups[index].layout
+    Args:
+      layouts: each subgroup's record layout, by subgroup index.
+      layout_hash: the hash of the whole layout, sealed into every record.
+
+    Returns:
+      The codec the tiers pack and unpack records with.
+    """
+
+    def pack_record(index: int, fields: tuple, step: int) -> np.ndarray:
+        layout = layouts[index]
         record = new_record(layout.nbytes, zeroed=False)  # pack and seal write every byte
-        partition.pack(layout, *fields, payload_of(record))
-        seal(record, step, plan.layout_hash)
+        pack(layout, *fields, payload_of(record))
+        seal(record, step, layout_hash)
         return record
 
-    def unpack(index: int, payload: np.ndarray) -> tuple:
-        return partition.unpack(plan.subgroups[index].layout, payload)
+    def unpack_record(index: int, payload: np.ndarray) -> tuple:
+        return unpack(layouts[index], payload)
 
-    return RecordCodec(pack, unpack)
+    return RecordCodec(pack_record, unpack_record)

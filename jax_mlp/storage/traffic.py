@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import fcntl
 import os
@@ -99,7 +98,6 @@ class Traffic:
         self._active = 0
         self._busy_since = 0.0
         self._usage = Usage(0, 0, 0.0)
-        self.intervals: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=4096)
 
     def set_caps(self, max_read: float | None, max_write: float | None) -> None:
         """Changes the caps (bytes/s, None for none); takes effect on the next transfer."""
@@ -129,7 +127,6 @@ class Traffic:
                     if self._active == 0:
                         busy += ended - self._busy_since
                     self._usage = Usage(read, written, busy)
-                self.intervals.append((kind, started, ended))
 
     def take_usage(self) -> Usage:
         """The usage since the previous call (transfers still running count in the next)."""
