@@ -197,23 +197,30 @@ LOCK_CHILD = textwrap.dedent(
     import jax
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     import optax, jax.numpy as jnp, jax_mlp
+    import jax_mlp.storage.paths as storage_paths
+    # Each record's transfer, timed inside the path's traffic control (so inside the node lock) on the
+    # clock all processes share: the stats' events also time the wait for the lock, so they overlap.
+    held, open_path = [], storage_paths.open_path
+
+    def open_timed(*args, **kwargs):
+        path = open_path(*args, **kwargs)
+        transfer = path.traffic.transfer
+
+        @contextlib.contextmanager
+        def timed(kind, nbytes):
+            with transfer(kind, nbytes):
+                start = time.monotonic()
+                yield
+                held.append((start, time.monotonic()))
+
+        path.traffic.transfer = timed
+        return path
+
+    storage_paths.open_path = open_timed
     params = {"w": jnp.ones((512, 256), jnp.float32) * (1 + jax.process_index())}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[3]], subgroup_size="64KiB",
                              node_lock=sys.argv[4], write_depth=3, prefetch_depth=3)
     state = tx.init(params)
-    # Each record's transfer, timed inside the path's traffic control (so inside the node lock) on the
-    # clock all processes share: the stats' events also time the wait for the lock, so they overlap.
-    traffic, held = tx.offloader.stream.tiers.paths[0].traffic, []
-    transfer = traffic.transfer
-
-    @contextlib.contextmanager
-    def timed(kind, nbytes):
-        with transfer(kind, nbytes):
-            start = time.monotonic()
-            yield
-            held.append((start, time.monotonic()))
-
-    traffic.transfer = timed
     for step in range(3):
         _, state = tx.update(jax.tree.map(lambda p: p * 0.1 + step, params), state, params)
     tx.close()
