@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_same_bits, make_params, train
+from conftest import make_params, train
+from helpers import assert_same_bits
 
 import jax_mlp
 from jax_mlp.storage.paths import PathStore
