@@ -198,9 +198,9 @@ def test_multisteps_around_mlp_offload_is_refused_at_its_first_call(tmp_path, me
 
 def test_accumulation_options_and_states_are_checked(tmp_path):
     for steps in (0, 1.5, True):
-        with pytest.raises(ValueError, match="accumulate_steps"):
+        with pytest.raises(OffloadError, match="accumulate_steps"):
             jax_mlp.mlp_offload(adamw(), paths=[tmp_path], accumulate_steps=steps)
-    with pytest.raises(ValueError, match="accumulator_dtype"):
+    with pytest.raises(OffloadError, match="accumulator_dtype"):
         jax_mlp.mlp_offload(adamw(), paths=[tmp_path], accumulator_dtype=jnp.int32)
     params = make_params()
     for steps, other in ((K, 1), (1, K)):

@@ -91,11 +91,11 @@ def test_what_stays_as_it_is():
 
 
 def test_unknown_codec_stochastic_int8_and_state_in_code_dtypes_are_refused():
-    with pytest.raises(ValueError, match="fp8"):
+    with pytest.raises(jax_mlp.OffloadError, match="fp8"):
         quantized_state(optax.adam(1e-2), "fp8")
-    with pytest.raises(ValueError, match="stochastic"):
+    with pytest.raises(jax_mlp.OffloadError, match="stochastic"):
         quantized_state(optax.adam(1e-2), "int8", stochastic=True)
-    with pytest.raises(ValueError, match=r"\['w'\] is uint8"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"\['w'\] is uint8"):
         quantized_state(optax.adam(1e-2, mu_dtype=jnp.uint8), "int8").init({"w": jnp.ones((8, 32))})
 
 
