@@ -66,7 +66,7 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
     if not named:
         devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
         if len(devices) > 1:
-            raise ValueError(
+            raise OffloadError(
                 "the params are on several devices, each leaf whole on one; update inside jit takes them on one "
                 "device or sharded over one mesh with NamedSharding: place them so, or call tx.update outside jit"
             )
@@ -74,7 +74,7 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
         return Mesh(np.array([device]), ("device",)), (P(),) * len(leaves)
     if len(named) < len(leaves):
         whole = next(path for path, leaf in zip(paths, leaves, strict=True) if not _spans_devices(leaf))
-        raise ValueError(
+        raise OffloadError(
             f"param {whole} is on one device while {named[0][0]} is sharded; update inside jit takes every leaf on "
             "one mesh: give it a NamedSharding on that mesh (P() replicates it), or call tx.update outside jit"
         )
@@ -82,7 +82,7 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
     other = next((path for path, leaf in named if not isinstance(leaf.sharding, NamedSharding)), None)
     if other is not None or len(meshes) != 1:
         detail = f"param {other} has no NamedSharding" if other is not None else f"they use {len(meshes)} meshes"
-        raise ValueError(
+        raise OffloadError(
             f"update inside jit maps over the params' one mesh, but {detail}; shard every leaf with a NamedSharding "
             "on one mesh, or call tx.update outside jit"
         )
@@ -99,7 +99,7 @@ def _first_cpu_device() -> jax.Device:
     try:
         return jax.local_devices(backend="cpu")[0]
     except RuntimeError as error:  # JAX_PLATFORMS left the CPU backend out
-        raise ValueError(
+        raise OffloadError(
             "update inside jit runs on the host CPU backend, which jax has not started: include cpu in JAX_PLATFORMS "
             f"(e.g. JAX_PLATFORMS=cuda,cpu), or call tx.update outside jit ({error})"
         ) from error
@@ -118,7 +118,7 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
       mesh.
 
     Raises:
-      ValueError: the leaves are not on one mesh, or on a mesh of CPU devices that XLA's CPU runtime
+      OffloadError: the leaves are not on one mesh, or on a mesh of CPU devices that XLA's CPU runtime
         could not serve while every device waits in its callback.
     """
     mesh, specs = _mesh_of(paths, leaves)
@@ -130,7 +130,7 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
     else:
         spare = [d for d in jax.local_devices(backend="cpu") if d not in devices]
         if not spare:
-            raise ValueError(
+            raise OffloadError(
                 f"update inside jit on a mesh of all {len(devices)} CPU devices: the update runs on a CPU device "
                 "outside the mesh while the mesh's devices wait in their callbacks. Start with one more CPU device "
                 f"(XLA_FLAGS=--xla_force_host_platform_device_count={len(devices) + 1}) and build the mesh without "
@@ -139,7 +139,7 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
         host, needed = spare[0], 2 * len(devices) + 1  # a thread per waiting device, per transfer, and one
     threads = xla_cpu_threads()
     if threads < needed:
-        raise ValueError(
+        raise OffloadError(
             f"update inside jit on {len(devices)} CPU device(s) needs {needed} XLA CPU threads while the devices "
             f"wait in their callbacks, but XLA has {threads}; set NPROC={needed} in the environment "
             "before jax starts, or call tx.update outside jit"
@@ -270,7 +270,7 @@ class JitRoute:
         self.layout: JitLayout | None = None
         try:
             self.layout = jit_layout([spec.path for spec in plan.leaves], leaves)
-        except ValueError as error:
+        except OffloadError as error:
             self._unusable = str(error)
             return
         devices = self.layout.mesh.local_devices
@@ -283,10 +283,10 @@ class JitRoute:
         """Traces one update as a host callback per device; returns the update leaves, sharded as the params.
 
         Raises:
-          ValueError: the params' layout cannot run inside jit; the message says what to change.
+          OffloadError: the params' layout cannot run inside jit; the message says what to change.
         """
         if self.layout is None:
-            raise ValueError(self._unusable)
+            raise OffloadError(self._unusable)
         shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
         out_blocks = [jax.ShapeDtypeStruct(shape, update_dtype(self._plan, i)) for i, shape in enumerate(shapes)]
         return host_update(self.layout, self._on_device, grads, params, step, uniform, out_blocks)

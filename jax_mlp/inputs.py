@@ -36,7 +36,10 @@ def is_traced(tree: Any) -> bool:
 def check_has_leaves(params: Any) -> None:
     """Refuses a tree with no leaves: there would be nothing to offload."""
     if not jax.tree_util.tree_leaves(params):
-        raise ValueError("params has no leaves: there is no optimizer state to offload")
+        raise OffloadError(
+            "params has no leaves, so there is no optimizer state to offload: pass init the tree of the arrays to "
+            "train (with flax nnx, nnx.state(model, nnx.Param))"
+        )
 
 
 def _structure_mismatch(path_leaves: list, plan: Plan) -> str:
@@ -61,11 +64,11 @@ def check_tree(plan: Plan, tree: Any, name: str, *, check_dtype: bool) -> list:
       The leaves, as given.
 
     Raises:
-      ValueError: the structure, a shape or a dtype differs, or a leaf is not floating point.
+      OffloadError: the structure, a shape or a dtype differs, or a leaf is not floating point.
     """
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if treedef != plan.treedef:
-        raise ValueError(
+        raise OffloadError(
             f"the {name} tree does not match the params tree given to init: {_structure_mismatch(path_leaves, plan)}. "
             f"Pass {name} with exactly the structure of the params"
         )
@@ -73,16 +76,22 @@ def check_tree(plan: Plan, tree: Any, name: str, *, check_dtype: bool) -> list:
     for (_, leaf), spec in zip(path_leaves, plan.leaves, strict=True):
         shape = tuple(np.shape(leaf))
         if shape != spec.shape:
-            raise ValueError(f"{name} leaf {spec.path} has shape {shape}, but the param had shape {spec.shape} at init")
+            raise OffloadError(
+                f"{name} leaf {spec.path} has shape {shape}, but the param had shape {spec.shape} at init; pass {name} "
+                "of the params' shapes (another shape needs a new mlp_offload)"
+            )
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         if check_dtype and dtype != spec.dtype:
-            raise ValueError(
+            raise OffloadError(
                 f"{name} leaf {spec.path} has dtype {dtype}, but the param had dtype {spec.dtype} at init ({spec.path} "
                 f"is {dtype}{list(shape)}, expected {spec.dtype}{list(spec.shape)}); the offloaded state was laid out "
                 "for that dtype: keep it, or start a new run"
             )
         if not jnp.issubdtype(dtype, jnp.inexact):
-            raise ValueError(f"{name} leaf {spec.path} has dtype {dtype}; only floating-point leaves can be optimized")
+            raise OffloadError(
+                f"{name} leaf {spec.path} has dtype {dtype}, but only floating-point leaves can be optimized: cast it "
+                "to the param's floating dtype, or keep integer arrays out of the tree given to the optimizer"
+            )
         leaves.append(leaf)
     return leaves
 
@@ -92,7 +101,7 @@ def check_update_inputs(plan: Plan, updates: Any, params: Any) -> tuple[list, li
     updates, params = as_arrays(updates), as_arrays(params)
     grads = [jnp.asarray(x) for x in check_tree(plan, updates, "grads", check_dtype=False)]
     if params is None and plan.master_dtype is not None:
-        raise ValueError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
+        raise OffloadError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
     if params is None:
         return grads, None
     return grads, [jnp.asarray(x) for x in check_tree(plan, params, "params", check_dtype=True)]

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_mlp.errors import OffloadError
+
 CODECS = ("bf16", "int8")
 BLOCK_SIZE = 256
 MIN_LAST_AXIS = 16
@@ -54,7 +56,9 @@ def dynamic_map(*, signed: bool, decades: int = 7) -> np.ndarray:
         magnitudes = 10.0 ** (i - decades + 1) * (edges[:-1] + edges[1:]) / 2
         values += list(magnitudes) + (list(-magnitudes) if signed else [])
     if len(values) != 256:
-        raise ValueError(f"a dynamic map of {decades} decades has {len(values)} values, not 256")
+        raise OffloadError(
+            f"dynamic_map(decades={decades}) has {len(values)} values, but an int8 code indexes 256: use decades=7"
+        )
     return np.sort(np.asarray(values, np.float32))
 
 
@@ -224,7 +228,7 @@ def _check_codable(state: Any) -> None:
     """Refuses an inner state that holds uint8 or uint16 leaves of its own: they would read as codes."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if np.dtype(leaf.dtype) in _CODE_DTYPES:
-            raise ValueError(
+            raise OffloadError(
                 f"quantized_state cannot wrap an optimizer whose state leaf {jax.tree_util.keystr(path)} is "
                 f"{np.dtype(leaf.dtype)}: that dtype marks compressed leaves; wrap an optimizer with float state"
             )
@@ -249,13 +253,16 @@ def quantized_state(
       An optax transformation whose state is a :class:`QuantizedState`.
 
     Raises:
-      ValueError: for an unknown codec, or ``stochastic`` with ``"int8"``; at ``init``, for an inner
+      OffloadError: for an unknown codec, or ``stochastic`` with ``"int8"``; at ``init``, for an inner
         state with uint8 or uint16 leaves (the dtypes of compressed leaves).
     """
     if codec not in CODECS:
-        raise ValueError(f"quantized_state codec {codec!r} is not one of {CODECS}")
+        raise OffloadError(f"quantized_state codec {codec!r} is not one of {CODECS}: pass one of those")
     if stochastic and codec != "bf16":
-        raise ValueError(f"stochastic rounding is a bf16 option; codec {codec!r} rounds to the nearest code")
+        raise OffloadError(
+            f"stochastic rounding is a bf16 option; codec {codec!r} rounds to the nearest code: pass "
+            "stochastic=False, or codec='bf16'"
+        )
     inner = optax.with_extra_args_support(inner)
 
     def init(params: Any) -> QuantizedState:

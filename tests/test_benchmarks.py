@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -10,20 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from helpers import load_module
 
 ROOT = pathlib.Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import their shared module, as when run as scripts
 
 
-def load(path: pathlib.Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ablation_benchmark_writes_json_and_png(tmp_path):
-    ablation = load(ROOT / "benchmarks" / "ablation.py")
+    ablation = load_module(ROOT / "benchmarks" / "ablation.py")
     result = ablation.main(
         [
             "--state",
@@ -76,7 +69,7 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 
 
 def test_efficiency_benchmark_writes_json_and_png(tmp_path):
-    efficiency = load(ROOT / "benchmarks" / "efficiency.py")
+    efficiency = load_module(ROOT / "benchmarks" / "efficiency.py")
     result = efficiency.main(["--smoke", "--out", str(tmp_path)])
     written = json.loads((tmp_path / "efficiency.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -97,7 +90,7 @@ def test_efficiency_benchmark_writes_json_and_png(tmp_path):
 
 
 def test_check_cost_benchmark_writes_json(tmp_path):
-    check_cost = load(ROOT / "benchmarks" / "check_cost.py")
+    check_cost = load_module(ROOT / "benchmarks" / "check_cost.py")
     result = check_cost.main(
         ["--layers", "2", "--width", "8", "--vocab", "16", "--repeats", "1", "--out", str(tmp_path)]
     )
@@ -110,7 +103,7 @@ def test_check_cost_benchmark_writes_json(tmp_path):
 
 
 def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
-    bench = load(ROOT / "benchmarks" / "state_codecs.py")
+    bench = load_module(ROOT / "benchmarks" / "state_codecs.py")
     result = bench.main(["--steps", "30", "--out", str(tmp_path / "codecs.json")])
     assert json.loads((tmp_path / "codecs.json").read_text()) == result
     assert set(result["nu_maps"]) == set(bench.NU_MAPS)
@@ -121,7 +114,7 @@ def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
 
 def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the update's path is a temporary directory here
-    checksum = load(ROOT / "benchmarks" / "checksum.py")
+    checksum = load_module(ROOT / "benchmarks" / "checksum.py")
     result = checksum.main(["--buffer", "1MiB", "--state", "2MiB", "--updates", "1", "--rounds", "1"])
     assert {"zlib.crc32", "isal.isal_zlib.crc32"} <= set(result["gb_per_s"])
     assert set(result["update_cpu_s"]) == {"zlib", "isal"} and result["update_cpu_ratio_isal_over_zlib"] > 0
@@ -131,7 +124,7 @@ def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path,
 
 
 def test_accumulation_benchmark_writes_json(tmp_path):
-    accumulation = load(ROOT / "benchmarks" / "accumulation.py")
+    accumulation = load_module(ROOT / "benchmarks" / "accumulation.py")
     options = ["--state", "2MiB", "--subgroup-size", "256KiB", "--cap", "400MB/s", "--updates", "2", "--idle", "0"]
     result = accumulation.main([*options, "--out", str(tmp_path), "--dir", str(tmp_path / "tiers")])
     written = json.loads((tmp_path / "accumulation.json").read_text())

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_same_bits, make_params, train
+from conftest import make_params, train
+from helpers import assert_same_bits
 
 import jax_mlp
 from jax_mlp.storage.paths import open_path
@@ -177,7 +178,7 @@ def test_restore_params_checks_the_tree_it_is_given(tmp_path):
     params = make_params(dtype=jnp.bfloat16)
     tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], **OPTIONS)
     tx.init(params)
-    with pytest.raises(ValueError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
         jax_mlp.restore_params(tx, dict(params, embed=params["embed"].astype(jnp.float32)))
     assert_same_bits(jax_mlp.restore_params(tx, params), params)
     tx.close()

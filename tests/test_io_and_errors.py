@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_same_bits, grads_at, make_params, max_relative_deviation, run_offload
+from conftest import grads_at, make_params, run_offload
+from helpers import assert_close_to_optax, assert_same_bits
 
 import jax_mlp
 from jax_mlp.storage import record
@@ -70,17 +71,48 @@ def test_mismatched_grads_tree_names_the_leaf(paths):
     grads = grads_at(params, 0)
     missing = dict(grads)
     del missing["temperature"]
-    with pytest.raises(ValueError, match=r"grads tree does not match.*\['temperature'\]"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"grads tree does not match.*\['temperature'\]"):
         tx.update(missing, state, params)
     reshaped = dict(grads, head=dict(grads["head"], w=jnp.zeros((10, 16))))
-    with pytest.raises(ValueError, match=r"grads leaf \['head'\]\['w'\] has shape \(10, 16\).*\(16, 10\)"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"grads leaf \['head'\]\['w'\] has shape \(10, 16\).*\(16, 10\)"):
         tx.update(reshaped, state, params)
     retyped = dict(params, embed=params["embed"].astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"params leaf \['embed'\] has dtype bfloat16.*float32"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"params leaf \['embed'\] has dtype bfloat16.*float32"):
         tx.update(grads, state, retyped)
     _updates, state = tx.update(grads, state, params)  # nothing was lost: the same update still works
     assert int(state.step) == 1
     tx.close()
+
+
+def _refused(call, match: str) -> None:
+    """``call`` raises an OffloadError matching ``match``, which is also a ValueError."""
+    with pytest.raises(jax_mlp.OffloadError, match=match) as caught:
+        call()
+    assert isinstance(caught.value, ValueError)
+
+
+def test_bad_input_raises_an_offload_error_that_is_a_value_error_and_says_what_to_do(paths):
+    """One ``except jax_mlp.OffloadError`` catches every refusal of bad input; ``except ValueError`` still does."""
+    _refused(
+        lambda: jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=0),
+        r"subgroup_size must be positive, got 0: give the bytes of state to stream at once",
+    )
+    _refused(lambda: jax_mlp.quantized_state(optax.adam(1e-2), "fp8"), r"codec 'fp8' is not one of .*: pass one of")
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]]) as tx:
+        _refused(lambda: tx.init({}), r"params has no leaves, so there is no optimizer state to offload: pass")
+    params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[1]]) as tx:
+        state = tx.init(params)
+        _refused(lambda: tx.update({"w": params["w"]}, state, params), r"missing leaves \[\"\['b'\]\"\]\. Pass grads")
+        _refused(
+            lambda: tx.update(dict(params, b=jnp.arange(8)), state, params),
+            r"grads leaf \['b'\] has dtype int32, but only floating-point leaves can be optimized: cast it",
+        )
+    devices = jax.devices()[:2]  # each leaf whole on another device: no one mesh to map the update over
+    spread = {"w": jax.device_put(params["w"], devices[0]), "b": jax.device_put(params["b"], devices[1])}
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[2]]) as tx:
+        state = tx.init(spread)
+        _refused(lambda: jax.jit(tx.update)(spread, state, spread), r"several devices, .*call tx.update outside jit")
 
 
 def test_paths_that_cannot_be_used_are_named(tmp_path):
@@ -91,9 +123,9 @@ def test_paths_that_cannot_be_used_are_named(tmp_path):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[blocker / "sub"]).init(params)
     with pytest.raises(jax_mlp.PathError, match="path /sys is not writable"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=["/sys"]).init(params)
-    with pytest.raises(ValueError, match="is given twice"):
+    with pytest.raises(jax_mlp.OffloadError, match="is given twice"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "x", str(tmp_path / "x") + "/"])
-    with pytest.raises(ValueError, match="host_cache='lots' is not a size"):
+    with pytest.raises(jax_mlp.OffloadError, match="host_cache='lots' is not a size"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "y"], host_cache="lots")
 
 
@@ -241,7 +273,7 @@ def test_update_without_params_matches_optax_and_needs_them_only_when_optax_does
     state = tx.init(params)
     updates, state = tx.update(grads_at(params, 0), state)
     expected, _ = optax.adam(1e-2).update(grads_at(params, 0), optax.adam(1e-2).init(params))
-    assert max(max_relative_deviation(updates, expected).values()) <= 1e-6
+    assert_close_to_optax(updates, expected, bound=1e-6)
     tx.close()
 
     tx = jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP)
@@ -297,7 +329,7 @@ def test_a_path_can_be_any_tensorstore_kvstore(paths):
     assert stats.bytes_read["memory://run1/"] > 0
     expected = run_offload(optax.adam(1e-2), params, 3, [paths[1]], subgroup_size=SUBGROUP)[0]
     assert_same_bits(got, expected)
-    with pytest.raises(ValueError, match="needs a 'driver'"):
+    with pytest.raises(jax_mlp.OffloadError, match="needs a 'driver'"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[{"path": "x"}])
 
 

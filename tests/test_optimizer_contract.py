@@ -16,10 +16,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from conftest import scale_by_global_norm
+from helpers import assert_close_to_optax
 
 import jax_mlp
 from jax_mlp import partition
@@ -31,8 +31,6 @@ _LISTS = (
 SHAPES = {"big": (40, 6), "w": (6, 5), "b": (5,), "u": (3, 4)}  # "big" exceeds the subgroup size
 SUBGROUP_SIZE = 512
 STEPS = 3
-TOLERANCE = 1e-5  # the core tolerance, relative to max|p|
-EPS = float(jnp.finfo(jnp.float32).eps)
 
 
 def _listed(file: str, name: str) -> list[dict]:
@@ -97,17 +95,6 @@ def _train(tx: optax.GradientTransformation, state: Any, params: Any, loss: Any)
     return _steps(tx, state, params, loss, STEPS)[0]
 
 
-def _assert_close(actual: Any, expected: Any, start: Any) -> None:
-    flat = jax.tree_util.tree_flatten_with_path(expected)[0]
-    for (path, e), a, p0 in zip(flat, jax.tree.leaves(actual), jax.tree.leaves(start), strict=True):
-        a64, e64, p064 = (np.asarray(x, np.float64) for x in (a, e, p0))
-        name, scale = jax.tree_util.keystr(path), np.max(np.abs(e64))
-        assert np.max(np.abs(a64 - e64)) <= TOLERANCE * scale, f"{name}: params differ from optax in memory"
-        # A float32 param moves in steps of its own rounding: allow one ulp of it per step.
-        bound = 1e-3 * np.max(np.abs(e64 - p064)) + STEPS * EPS * scale
-        assert np.max(np.abs((a64 - p064) - (e64 - p064))) <= bound, f"{name}: the step differs from optax in memory"
-
-
 def _reason(error: jax_mlp.OffloadError) -> str:
     """The refusal's gist, for the table in docs/faq.md."""
     message = str(error)
@@ -144,7 +131,7 @@ def test_each_listed_optimizer_is_exact_or_refused(case, tmp_path):
         tx.close()
     inner = optax.with_extra_args_support(_optimizer(case))
     expected = _train(inner, inner.init(params), params, loss)
-    _assert_close(offloaded, expected, params)
+    assert_close_to_optax(offloaded, expected, params, rounding_steps=STEPS, what=_case_id(case))
     print(f"| `{_case_id(case)}` | exact |")
 
 
@@ -173,7 +160,7 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
         assert len(plan.subgroups) >= 3
         offloaded = _train(tx, state, params, loss)
     inner = optax.with_extra_args_support(ROW_COUPLED[name]())
-    _assert_close(offloaded, _train(inner, inner.init(params), params, loss), params)
+    assert_close_to_optax(offloaded, _train(inner, inner.init(params), params, loss), params, what=name)
 
 
 def test_a_planted_global_norm_transformation_is_refused_by_name_before_anything_is_written(tmp_path):
@@ -212,4 +199,4 @@ def test_none_and_empty_state_leaves_are_laid_out_as_nothing_and_come_back_as_th
         _, _, nothing, empty = state.shared
         assert nothing is None and empty.shape == (0,) and empty.dtype == jnp.int32
         offloaded, _ = _steps(tx, state, params, loss, 1)
-    _assert_close(offloaded, _train(inner, inner.init(start), start, loss), start)
+    assert_close_to_optax(offloaded, _train(inner, inner.init(start), start, loss), start)

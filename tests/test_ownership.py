@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import abstract, as_bits, make_params, train
+from conftest import abstract, make_params, train
+from helpers import as_bits
 
 import jax_mlp
 from jax_mlp.storage import ownership
@@ -93,7 +94,8 @@ HOLDER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, sys.argv[1])
     import numpy as np
-    from conftest import as_bits, make_params, train
+    from conftest import make_params, train
+    from helpers import as_bits
     from test_ownership import HELD_STEPS, offload
 
     root = sys.argv[2]
