@@ -79,8 +79,9 @@ class OffloadRestore(ocp.args.CheckpointArgs):
     of ``inner.init(params)``). The ``mlp_offload`` may use other paths, subgroup size and host cache.
 
     Attributes:
-      offload: a new :func:`~jax_mlp.mlp_offload` (without ``resume``) on empty paths; restoring
-        initialises it, so do not call its ``init``.
+      offload: a new :func:`~jax_mlp.mlp_offload` (without ``resume``); restoring initialises it, so do
+        not call its ``init``. Its paths hold no run, or this run's state (the same layout hash, e.g.
+        after a crash): the restore replaces that state, with a warning naming the step it held.
       params: the params, or their ``jax.ShapeDtypeStruct``s. Values are needed only when the
         offload keeps master params and the checkpoint has none: the master copy starts from them.
       step: the step of the restored state; by default the one saved, or 0 for a plain optax checkpoint.
@@ -429,8 +430,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         offloader = _offloader_of(args.offload)
         if offloader.plan is not None:
             raise OffloadError(
-                "OffloadRestore needs a fresh mlp_offload, but this one is initialised; create a new one (on empty "
-                "paths) and do not call its init: the restore does"
+                "OffloadRestore needs a fresh mlp_offload, but this one is initialised; create a new one (on the same "
+                "paths or empty ones) and do not call its init: the restore does"
             )
         saved = _saved(directory)
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(args.params))

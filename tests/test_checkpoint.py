@@ -160,9 +160,10 @@ def test_master_params_round_trip_and_restore_into_plain_optax(tmp_path):
 
 
 def test_a_plain_checkpoint_needs_param_values_to_start_master_params(tmp_path):
-    params = make_params()
+    params = make_params(dtype=jnp.bfloat16)
+    plain = optax.adam(1e-2).init(jax.tree.map(lambda p: p.astype(jnp.float32), params))
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(optax.adam(1e-2).init(params))))
+        manager.save(0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(plain)))
     options = {"paths": [tmp_path / "a"], "subgroup_size": "16KiB", "master_dtype": jnp.float32}
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), **options)
     with (
@@ -328,3 +329,29 @@ def test_peak_memory_of_save_and_restore_stays_within_the_bound_of_update(tmp_pa
     for action in ("save", "restore"):
         assert figures[action] < min(bound, max(figures["updates"])), (action, figures)
         assert figures[action] < figures["state_bytes"] / 2, (action, figures)
+
+
+def test_a_restore_onto_this_runs_paths_replaces_their_state_and_another_run_is_refused(tmp_path):
+    params, paths = make_params(), [tmp_path / "a", tmp_path / "b"]
+    tx = jax_mlp.mlp_offload(INNER, paths=paths, **OPTIONS)
+    trained, state = train(tx, params, tx.init(params), range(3))
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(
+            3, args=ocp.args.Composite(params=ocp.args.StandardSave(trained), opt_state=jax_mlp.OffloadSave(tx))
+        )
+    train(tx, trained, state, range(3, 5))
+    tx.close()  # the tiers hold step 5, the checkpoint step 3
+
+    tx = jax_mlp.mlp_offload(INNER, paths=paths, **OPTIONS)
+    with pytest.warns(UserWarning, match=r"hold this run's offloaded state up to step 5: that state is discarded"):
+        _, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(tx, abstract(params)), abstract(params))
+    assert int(state.step) == 3
+    tx.close()
+    # The other slot's records of step 4 are gone with the rest: the tiers resume at the restored step.
+    resumed = jax_mlp.mlp_offload(INNER, paths=paths, resume=True, **OPTIONS)
+    assert int(resumed.init(params).step) == 3
+    resumed.close()
+
+    other = jax_mlp.mlp_offload(INNER, paths=paths, **dict(OPTIONS, subgroup_size="8KiB"))
+    with pytest.raises(jax_mlp.RecordError, match=r"its subgroup_size is 16384, this offload's 8192.*or delete"):
+        restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(other, abstract(params)), abstract(params))

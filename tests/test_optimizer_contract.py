@@ -30,6 +30,7 @@ _LISTS = (
 )
 SHAPES = {"big": (40, 6), "w": (6, 5), "b": (5,), "u": (3, 4)}  # "big" exceeds the subgroup size
 SUBGROUP_SIZE = 512
+WHOLE_LEAF_SIZE = 128  # below the state of "big" for each row-coupled optimizer (adafactor's is factored)
 STEPS = 3
 
 
@@ -112,7 +113,6 @@ def test_each_listed_optimizer_is_exact_or_refused(case, tmp_path):
         paths=tmp_path,
         host_cache=0,
         subgroup_size=SUBGROUP_SIZE,
-        master_dtype=jnp.float32,
         extra_args={"value": jax.ShapeDtypeStruct((), jnp.float32)},
     )
     try:
@@ -124,7 +124,11 @@ def test_each_listed_optimizer_is_exact_or_refused(case, tmp_path):
         print(f"| `{_case_id(case)}` | refused: {_reason(error)} |")
         return
     try:
-        assert len(tx.offloader.plan.subgroups) >= 3, "the tree should make several subgroups"
+        # A stateless optimizer (its only state the shared scalars; fp32 params take no master) has no bytes
+        # to split: one subgroup holds every leaf.
+        plan = tx.offloader.plan
+        per_leaf = any(field.shape for sg in plan.subgroups for field in sg.layout.state_fields)
+        assert len(plan.subgroups) >= 3 or not per_leaf, "the tree should make several subgroups"
         offloaded = _train(tx, state, params, loss)
         assert tx.stats.cache_hits == 0, "host_cache=0: every subgroup is read from its path"
     finally:
@@ -146,7 +150,7 @@ ROW_COUPLED = {
 @pytest.mark.parametrize("name", ROW_COUPLED)
 def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_path):
     params, loss = _problem()
-    options = {"host_cache": 0, "subgroup_size": SUBGROUP_SIZE, "master_dtype": jnp.float32}
+    options = {"host_cache": 0, "subgroup_size": WHOLE_LEAF_SIZE}
     tx = jax_mlp.mlp_offload(ROW_COUPLED[name](), paths=tmp_path, **options)
     with pytest.warns(UserWarning, match=r"param \['big'\] is kept whole in subgroup \d+"):
         state = tx.init(params)
@@ -154,8 +158,8 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
         plan = tx.offloader.plan
         big = next(i for i, leaf in enumerate(plan.leaves) if leaf.path == "['big']")
         (subgroup,) = [sg for sg in plan.subgroups if any(p.leaf == big for p in sg.pieces)]
-        assert subgroup.pieces == (partition.Piece(big),) and subgroup.layout.nbytes > SUBGROUP_SIZE
-        assert tx.stats.whole_leaf_subgroups == {"['big']": subgroup.index} and tx.stats.check_s > 0
+        assert subgroup.pieces == (partition.Piece(big),) and subgroup.layout.nbytes > WHOLE_LEAF_SIZE
+        assert tx.stats.whole_leaf_subgroups["['big']"] == subgroup.index and tx.stats.check_s > 0
         assert tx.stats.as_dict()["whole_leaf_subgroups[['big']]"] == subgroup.index
         assert len(plan.subgroups) >= 3
         offloaded = _train(tx, state, params, loss)
