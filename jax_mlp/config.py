@@ -278,6 +278,7 @@ class OffloadConfig:
             raise OffloadError(
                 f"host_cache must not be negative, got {self.host_cache}: give 0 for no cache, or a size"
             )
+        _check_host_cache(self.host_cache)
         if self.subgroup_size <= 0:
             raise OffloadError(
                 f"subgroup_size must be positive, got {self.subgroup_size}: give the bytes of state to stream at "
@@ -319,3 +320,28 @@ class OffloadConfig:
         """The "Attributes" section of this docstring: the options' documentation, for ``mlp_offload``'s."""
         text = inspect.cleandoc(cls.__doc__ or "")
         return text[text.index("Attributes:\n") + len("Attributes:\n") :]
+
+
+def total_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_host_cache(host_cache: int) -> None:
+    """Refuses a host cache larger than this machine's physical memory: it could never be held.
+
+    Physical memory, not what is free now: the cache fills over the first updates, and what other
+    processes leave free changes as they come and go, so only a size that can never fit is refused.
+
+    Raises:
+      OffloadError: with both figures.
+    """
+    memory = total_memory()
+    if memory is not None and host_cache > memory:
+        raise OffloadError(
+            f"host_cache={format_bytes(host_cache)} is larger than this machine's memory ({format_bytes(memory)}); "
+            "give a cache that fits beside the process (a fraction of the memory), or host_cache=0 for none"
+        )

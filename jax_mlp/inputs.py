@@ -157,3 +157,41 @@ def extra_arrays(extra_args: dict[str, Any]) -> dict[str, jax.Array]:
                 "the inner optimizer, the same to every subgroup: pass it as an array, or use it outside mlp_offload"
             )
     return {name: jnp.asarray(value) for name, value in extra_args.items()}
+
+
+def check_float_leaves(params: Any) -> None:
+    """Refuses integer and boolean param leaves before anything is planned or written: no update can move them.
+
+    Raises:
+      OffloadError: naming the first such leaf and how to leave it out of the optimizer's tree.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise OffloadError(
+                f"param leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only floating-point leaves can be "
+                "optimized. Hand mlp_offload only the trainable float leaves: with flax nnx, nnx.state(model, "
+                "nnx.Param) (nnx.Optimizer(model, tx, wrt=nnx.Param)); otherwise split the tree, e.g. "
+                "equinox.partition(params, equinox.is_inexact_array). optax.masked does not leave a leaf out here: "
+                "mlp_offload plans every leaf of the tree it is given"
+            )
+
+
+def check_master_dtype(leaves: list[Any], master_dtype: np.dtype | None) -> None:
+    """Refuses a ``master_dtype`` that every param leaf already has: the master would be the params again.
+
+    Such a master costs a second copy of the params in every record, and buys nothing: the update
+    ``master - p`` applied with ``optax.apply_updates`` lands up to one ulp off the master on some
+    elements, so bit-for-bit resume from the master would not hold. (Leaves of that dtype in a tree
+    of lower-precision params keep a master, with that caveat; see docs/usage.md.)
+
+    Raises:
+      OffloadError: saying to leave ``master_dtype`` unset.
+    """
+    if master_dtype is not None and all(jnp.result_type(x) == master_dtype for x in leaves):
+        raise OffloadError(
+            f"master_dtype={master_dtype}, but every param leaf is already {master_dtype}: the master would be a "
+            "second copy of the params, and optax.apply_updates(params, updates) can land one ulp off it. Leave "
+            "master_dtype unset: the inner optimizer then updates the params themselves, exactly as plain optax "
+            "does (checkpoint the params beside it to restart)"
+        )

@@ -8,7 +8,6 @@ each update to its :class:`~jax_mlp.step.StateStream`: eagerly, or through the i
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -20,7 +19,7 @@ import optax
 
 from jax_mlp import accumulation, dependence, inputs, partition, peers, resume
 from jax_mlp.calls import CallChecks
-from jax_mlp.config import OffloadConfig, format_bytes, parse_rate
+from jax_mlp.config import OffloadConfig, parse_rate
 from jax_mlp.engine import Engine
 from jax_mlp.errors import OffloadError
 from jax_mlp.in_jit import JitLayout, JitRoute
@@ -152,9 +151,9 @@ class Offloader(ClosesOnExit):
     def _planned(self, params: Any) -> _Planned:
         params = inputs.as_arrays(params)
         inputs.check_has_leaves(params)
-        _refuse_non_float(params)
+        inputs.check_float_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
-        _refuse_redundant_master(leaves, self.config.master_dtype)
+        inputs.check_master_dtype(leaves, self.config.master_dtype)
         key = (jax.tree_util.tree_structure(params), tuple(_signature(x) for x in leaves))
         if self._last_plan is None or self._last_plan.key != key:
             self._last_plan = _plan(self.inner, self.config, params, key)
@@ -210,7 +209,6 @@ class Offloader(ClosesOnExit):
         if self._run is not None:
             raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
         self._check_open()
-        _check_host_cache(self.config.host_cache)
         planned = self._planned(params)
         config, plan = self.config, planned.plan
         paths = open_paths(
@@ -428,69 +426,6 @@ def _plan(inner: optax.GradientTransformationExtraArgs, config: OffloadConfig, p
     _warn_of(oversized, plan, config.subgroup_size)
     notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
     return _Planned(key, plan, sharding, leaves, notes)
-
-
-def _refuse_non_float(params: Any) -> None:
-    """Refuses integer and boolean param leaves before anything is planned or written: no update can move them.
-
-    Raises:
-      OffloadError: naming the first such leaf and how to leave it out of the optimizer's tree.
-    """
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            raise OffloadError(
-                f"param leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only floating-point leaves can be "
-                "optimized. Hand mlp_offload only the trainable float leaves: with flax nnx, nnx.state(model, "
-                "nnx.Param) (nnx.Optimizer(model, tx, wrt=nnx.Param)); otherwise split the tree, e.g. "
-                "equinox.partition(params, equinox.is_inexact_array). optax.masked does not leave a leaf out here: "
-                "mlp_offload plans every leaf of the tree it is given"
-            )
-
-
-def _refuse_redundant_master(leaves: list[Any], master_dtype: np.dtype | None) -> None:
-    """Refuses a ``master_dtype`` that every param leaf already has: the master would be the params again.
-
-    Such a master costs a second copy of the params in every record, and buys nothing: the update
-    ``master - p`` applied with ``optax.apply_updates`` lands up to one ulp off the master on some
-    elements, so bit-for-bit resume from the master would not hold. (Leaves of that dtype in a tree
-    of lower-precision params keep a master, with that caveat; see docs/usage.md.)
-
-    Raises:
-      OffloadError: saying to leave ``master_dtype`` unset.
-    """
-    if master_dtype is not None and all(jnp.result_type(x) == master_dtype for x in leaves):
-        raise OffloadError(
-            f"master_dtype={master_dtype}, but every param leaf is already {master_dtype}: the master would be a "
-            "second copy of the params, and optax.apply_updates(params, updates) can land one ulp off it. Leave "
-            "master_dtype unset: the inner optimizer then updates the params themselves, exactly as plain optax "
-            "does (checkpoint the params beside it to restart)"
-        )
-
-
-def total_memory() -> int | None:
-    """This machine's physical memory in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _check_host_cache(host_cache: int) -> None:
-    """Refuses a host cache larger than this machine's physical memory: it could never be held.
-
-    Physical memory, not what is free now: the cache fills over the first updates, and what other
-    processes leave free changes as they come and go, so only a size that can never fit is refused.
-
-    Raises:
-      OffloadError: with both figures.
-    """
-    memory = total_memory()
-    if memory is not None and host_cache > memory:
-        raise OffloadError(
-            f"host_cache={format_bytes(host_cache)} is larger than this machine's memory ({format_bytes(memory)}); "
-            "give a cache that fits beside the process (a fraction of the memory), or host_cache=0 for none"
-        )
 
 
 def _signature(leaf: Any) -> tuple:

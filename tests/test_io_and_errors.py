@@ -14,7 +14,7 @@ from conftest import grads_at, make_params, run_offload
 from helpers import assert_close_to_optax, assert_same_bits
 
 import jax_mlp
-from jax_mlp.offloader import total_memory
+from jax_mlp.config import total_memory
 from jax_mlp.storage import record
 from jax_mlp.storage.paths import PathStore
 from jax_mlp.storage.record import HEADER_SIZE
@@ -226,11 +226,10 @@ def test_integer_params_are_refused_at_init_before_anything_is_written(paths):
     assert not list(Path(paths[0]).rglob("run.json")) and not list(Path(paths[0]).rglob("zarr.json"))
 
 
-def test_a_host_cache_larger_than_the_memory_is_refused_at_init(paths):
+def test_a_host_cache_larger_than_the_memory_is_refused_when_the_offload_is_made(paths):
     memory = total_memory()
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], host_cache=2 * memory)
     with pytest.raises(jax_mlp.OffloadError, match=r"host_cache=.* is larger than this machine's memory") as refused:
-        tx.init(make_params())
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], host_cache=2 * memory)
     assert jax_mlp.config.format_bytes(memory) in str(refused.value)
     assert not list(Path(paths[0]).rglob("run.json"))
 
