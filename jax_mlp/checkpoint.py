@@ -504,7 +504,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         _placed(index, spec.shape, offloader.sharding.shardings[index], getattr(like, "sharding", None), blocks)
         for index, (spec, like) in enumerate(zip(plan.leaves, likes, strict=True))
     ]
-    return jax.tree_util.tree_unflatten(plan.treedef, placed)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_like), placed)
 
 
 def _placed(
