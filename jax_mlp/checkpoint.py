@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -279,11 +280,30 @@ class _StreamedLeafHandler(ocp.type_handlers.TypeHandler):
 _REGISTRY = ocp.type_handlers.create_type_handler_registry((_StreamedLeaf, _StreamedLeafHandler()))
 
 
+class _NoArrayMetadataStore(logging.Filter):
+    """Drops orbax's one warning that a registry without ``jax.Array`` does not persist ``ArrayMetadata``.
+
+    That metadata describes ``jax.Array`` shards (for subchunking); the streamed leaves have none and
+    are written region by region here, so the warning, logged by every save, says nothing to act on.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No jax.Array in TypeHandlerRegistry")
+
+
+_ARRAY_METADATA_NOTE = _NoArrayMetadataStore()
+
+
 def _pytree_handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's PyTree handler, writing plain zarr3 arrays (no OCDBT: each array is filled region by region)."""
-    return ocp.PyTreeCheckpointHandler(
-        use_ocdbt=False, use_zarr3=True, use_compression=False, type_handler_registry=_REGISTRY
-    )
+    absl_logger = logging.getLogger("absl")  # orbax logs through absl, whose Python logger this is
+    absl_logger.addFilter(_ARRAY_METADATA_NOTE)
+    try:
+        return ocp.PyTreeCheckpointHandler(
+            use_ocdbt=False, use_zarr3=True, use_compression=False, type_handler_registry=_REGISTRY
+        )
+    finally:
+        absl_logger.removeFilter(_ARRAY_METADATA_NOTE)
 
 
 class _Saved(NamedTuple):
@@ -505,7 +525,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         _placed(index, spec.shape, offloader.sharding.shardings[index], getattr(like, "sharding", None), blocks)
         for index, (spec, like) in enumerate(zip(plan.leaves, likes, strict=True))
     ]
-    return jax.tree_util.tree_unflatten(plan.treedef, placed)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_like), placed)
 
 
 def _placed(

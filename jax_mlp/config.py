@@ -218,6 +218,11 @@ class OffloadConfig:
         arrays or ``jax.ShapeDtypeStruct``s, e.g. ``{"value": jax.ShapeDtypeStruct((), jnp.float32)}``
         for a loss: ``init`` checks the optimizer with them, and ``update(..., value=loss)`` passes
         them to every subgroup alike. Stored as sorted ``(name, ShapeDtypeStruct)`` pairs.
+      accumulate_steps: gradient accumulation over this many ``update`` calls, as ``optax.MultiSteps``
+        around the inner optimizer: calls 1..k-1 fold the grads into a running mean held in the
+        ``OffloadState`` and return zero updates (their idle time reads the state ahead); call k
+        streams the state once, with the mean. 1 (the default) updates on every call. Eager only.
+      accumulator_dtype: the floating dtype of that running mean of the grads, ``float32`` by default.
     """
 
     paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path

@@ -267,6 +267,7 @@ class JitRoute:
         self._stream = stream
         self._failure: str | None = None
         self._unusable: str | None = None
+        self._announced = False
         self.layout: JitLayout | None = None
         try:
             self.layout = jit_layout([spec.path for spec in plan.leaves], leaves)
@@ -287,9 +288,33 @@ class JitRoute:
         """
         if self.layout is None:
             raise OffloadError(self._unusable)
+        self._announce()
         shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
         out_blocks = [jax.ShapeDtypeStruct(shape, update_dtype(self._plan, i)) for i, shape in enumerate(shapes)]
         return host_update(self.layout, self._on_device, grads, params, step, uniform, out_blocks)
+
+    def _announce(self) -> None:
+        """Says once, on the ``jax_mlp`` logger, where a traced update runs and what the split step gains.
+
+        WARNING when the params live on an accelerator: there the split step keeps the update on the
+        device, while this route moves every step's grads, params and updates through the host and
+        runs the update on its CPU. INFO on CPU, where both routes run the update on the same CPU and
+        this one only adds the copies (1.25-2.9x the split step's time in ``benchmarks/routes.py``).
+        """
+        if self._announced:
+            return
+        self._announced = True
+        platform = self.layout.mesh.devices.flat[0].platform
+        logger.log(
+            logging.INFO if platform == "cpu" else logging.WARNING,
+            "mlp_offload: update was traced inside jit, so it runs on the host CPU (the params are on %s): each "
+            "step copies the grads, params and updates between the devices and the host and runs the whole update "
+            "on the CPU, and the first step compiles the update for the CPU. The split step is faster, most of all "
+            "on an accelerator: jit the loss and gradients, and call tx.update (nnx.Optimizer.update, "
+            "TrainState.apply_gradients) outside jit, where the update runs on the params' device. See "
+            "docs/usage.md, 'Which route runs where'",
+            platform,
+        )
 
     def _on_device(
         self, step: np.ndarray, device_index: np.ndarray, uniform: Uniform, *blocks: np.ndarray

@@ -15,17 +15,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mlp.errors import OffloadError
-from jax_mlp.partition import Plan
+from jax_mlp.partition import Plan, treedef_paths
 
 
-def as_arrays(tree: Any) -> Any:
-    """Strips flax NNX ``Variable`` wrappers, as ``nnx.Optimizer`` does before ``tx.update``.
+def bare_treedef(treedef: Any) -> Any:
+    """``treedef`` without flax NNX ``Variable`` nodes: the structure ``nnx.Optimizer`` hands ``update``.
 
-    ``nnx.Optimizer`` calls ``init`` on a state of Variables but ``update`` on plain arrays; the plan
-    is made on the arrays so both calls see one tree. flax is only consulted if already imported.
+    ``nnx.Optimizer`` calls ``init`` on a state of ``Variable``s but ``update`` on their plain arrays
+    (``nnx.as_pure``); a ``Variable`` has one child, so both trees have the same leaves in the same
+    order, and either is accepted for the other. flax is only consulted if already imported.
     """
     nnx = sys.modules.get("flax.nnx")
-    return nnx.as_pure(tree) if nnx is not None and hasattr(nnx, "as_pure") else tree
+    if nnx is None or not hasattr(nnx, "as_pure"):
+        return treedef
+    skeleton = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    return jax.tree_util.tree_structure(nnx.as_pure(skeleton))
+
+
+def same_tree(treedef: Any, expected: Any) -> bool:
+    """Whether ``treedef`` is ``expected``, or is once both are stripped of NNX ``Variable``s (see :func:`bare_treedef`)."""
+    return treedef == expected or bare_treedef(treedef) == bare_treedef(expected)
 
 
 def is_traced(tree: Any) -> bool:
@@ -42,9 +51,9 @@ def check_has_leaves(params: Any) -> None:
         )
 
 
-def _structure_mismatch(path_leaves: list, plan: Plan) -> str:
-    names = {jax.tree_util.keystr(p) for p, _ in path_leaves}
-    expected = {spec.path for spec in plan.leaves}
+def _structure_mismatch(treedef: Any, plan: Plan) -> str:
+    names = set(treedef_paths(bare_treedef(treedef)))
+    expected = set(treedef_paths(bare_treedef(plan.treedef)))
     missing, extra = sorted(expected - names), sorted(names - expected)
     detail = f"missing leaves {missing[:5]}" if missing else ""
     detail += ("; " if detail and extra else "") + (f"unexpected leaves {extra[:5]}" if extra else "")
@@ -56,7 +65,8 @@ def check_tree(plan: Plan, tree: Any, name: str, *, check_dtype: bool) -> list:
 
     Args:
       plan: the plan made at ``init``.
-      tree: grads, params, or their ``jax.ShapeDtypeStruct``s.
+      tree: grads, params, or their ``jax.ShapeDtypeStruct``s: of the structure given to ``init``, or
+        that structure with its NNX ``Variable``s given as plain arrays (see :func:`bare_treedef`).
       name: what ``tree`` is, for the error ("grads", "params", "params_like").
       check_dtype: whether each leaf must have the param's dtype (grads may have any float dtype).
 
@@ -67,9 +77,9 @@ def check_tree(plan: Plan, tree: Any, name: str, *, check_dtype: bool) -> list:
       OffloadError: the structure, a shape or a dtype differs, or a leaf is not floating point.
     """
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    if treedef != plan.treedef:
+    if not same_tree(treedef, plan.treedef):
         raise OffloadError(
-            f"the {name} tree does not match the params tree given to init: {_structure_mismatch(path_leaves, plan)}. "
+            f"the {name} tree does not match the params tree given to init: {_structure_mismatch(treedef, plan)}. "
             f"Pass {name} with exactly the structure of the params"
         )
     leaves = []
@@ -98,7 +108,6 @@ def check_tree(plan: Plan, tree: Any, name: str, *, check_dtype: bool) -> list:
 
 def check_update_inputs(plan: Plan, updates: Any, params: Any) -> tuple[list, list | None]:
     """The grad and param leaves of an ``update`` call as jax arrays (or tracers), checked against the plan."""
-    updates, params = as_arrays(updates), as_arrays(params)
     grads = [jnp.asarray(x) for x in check_tree(plan, updates, "grads", check_dtype=False)]
     if params is None and plan.master_dtype is not None:
         raise OffloadError("mlp_offload with master_dtype needs params: call tx.update(grads, opt_state, params)")
@@ -133,7 +142,7 @@ def check_shared(shapes: Any, shared: Any) -> list:
     """
     expected = jax.tree_util.tree_leaves(shapes)
     leaves, treedef = jax.tree_util.tree_flatten(shared)
-    if treedef != jax.tree_util.tree_structure(shapes) or any(
+    if not same_tree(treedef, jax.tree_util.tree_structure(shapes)) or any(
         jnp.shape(x) != e.shape for x, e in zip(leaves, expected, strict=True)
     ):
         raise OffloadError(

@@ -149,7 +149,6 @@ class Offloader(ClosesOnExit):
         return self._planned(params).plan
 
     def _planned(self, params: Any) -> _Planned:
-        params = inputs.as_arrays(params)
         inputs.check_has_leaves(params)
         inputs.check_float_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
@@ -240,9 +239,8 @@ class Offloader(ClosesOnExit):
         if self.config.accumulate_steps == 1:
             return OffloadState(step, shared)
         window = accumulation.empty_window(params, self.config.accumulator_dtype)
-        return OffloadState(
-            step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
-        )
+        acc_grads = jax.tree_util.tree_unflatten(inputs.bare_treedef(plan.treedef), window.acc_grads)
+        return OffloadState(step, shared, window.mini_step, acc_grads)
 
     def _resume(self, live: Run, _: list[Any]) -> None:
         step, locations = resume.last_complete_step(

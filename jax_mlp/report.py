@@ -49,7 +49,8 @@ class Update(NamedTuple):
       per_path: for each of ``bytes_read``, ``bytes_written``, ``read_busy_s``, ``write_busy_s`` and
         ``placement``, the value per path.
       events: the timed reads, computes and writes, relative to the start of the call.
-      bandwidth: a known bandwidth per path (``{"read": bytes/s, "write": bytes/s}``), if the log has one.
+      bandwidth: the scheduler's bandwidth estimate per path (``{"read": bytes/s, "write": bytes/s}``:
+        declared, probed, capped or measured while running), if the log has one.
     """
 
     step: int
@@ -248,7 +249,7 @@ def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
             ]
             known = bandwidth.get(path, {}).get(kind)
             reference, what = (
-                (known / 1e6, "probed") if known else (max((r for r in rates if r == r), default=0), "max")
+                (known / 1e6, "estimate") if known else (max((r for r in rates if r == r), default=0), "max")
             )
             label = f"p{i} {kind} ({what} {reference:,.0f})"
             if window > 1:
@@ -258,7 +259,9 @@ def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
                 ax.axhline(reference, color=f"C{i}", ls="--", lw=0.8, alpha=0.6)
     ax.set_xlabel("step")
     ax.set_ylabel(f"MB/s while busy{f' (mean of {window} steps)' if window > 1 else ''}")
-    ax.legend(fontsize="small", ncols=2, title="dashed: probed bandwidth, else the best seen", title_fontsize="small")
+    ax.legend(
+        fontsize="small", ncols=2, title="dashed: the scheduler's estimate, else the best seen", title_fontsize="small"
+    )
     ax.set_title(THROUGHPUT)
 
 

@@ -132,3 +132,11 @@ def test_accumulation_benchmark_writes_json(tmp_path):
     assert written["same_bytes_per_update"] and written["update_time_ratio"] > 0
     assert [len(written[run]["updates"]) for run in ("single", "accumulated")] == [2, 2]
     assert written["accumulated"]["accumulate_steps"] == 4
+
+
+def test_routes_benchmark_times_the_split_step_the_in_jit_route_and_plain_optax(tmp_path):
+    routes = load_module(ROOT / "benchmarks" / "routes.py")
+    result = routes.main(["--width", "32", "--layers", "2", "--steps", "3", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "routes.json").read_text()) == result
+    assert set(result["routes"]) == {"split", "in_jit", "plain"} and result["params"] == 2 * (32 * 32 + 32)
+    assert all(r["first_step_s"] > 0 and r["median_step_s"] > 0 for r in result["routes"].values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import jax
@@ -174,3 +175,19 @@ def test_nnx_optimizer_update_inside_nnx_jit(tmp_path):
     offload.close()
     expected = train(optax.chain(optax.clip_by_global_norm(1.0), inner), 8, update_in_jit=True)
     assert_close_to_optax(jax.tree.leaves(got), jax.tree.leaves(expected))
+
+
+def test_the_traced_route_says_once_where_it_runs(tmp_path, caplog):
+    """The first traced ``update`` logs, on the ``jax_mlp`` logger, that it runs on the host CPU; later traces don't."""
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path)
+    opt_state = tx.init(params)
+    with caplog.at_level(logging.INFO, logger="jax_mlp"):
+        _, opt_state = jax.jit(tx.update)(grads_at(params, 0), opt_state, params)
+        _, opt_state = jax.jit(lambda g, s, p: tx.update(g, s, p))(grads_at(params, 1), opt_state, params)
+        tx.update(grads_at(params, 2), opt_state, params)  # eager: nothing to say
+    tx.close()
+    said = [r for r in caplog.records if r.name.startswith("jax_mlp") and "runs on the host CPU" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert said[0].levelno == logging.INFO  # CPU devices: both routes run the update on the same CPU
+    assert "split step is faster" in said[0].getMessage()
