@@ -14,10 +14,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import linen, nnx
 from flax.core import FrozenDict
 from flax.training import train_state
-from helpers import assert_close_to_optax
+from helpers import EXACT_BOUND, assert_close_to_optax
 
 import jax_mlp
 
@@ -153,19 +153,14 @@ def train_split(make_tx, steps: int = 6, *, in_jit: bool):
     return params, state
 
 
-def assert_matches_optax(got, expected, start, tolerance: float = 1e-5) -> None:
-    """The exactness contract: each leaf within ``tolerance * max|p|`` of plain optax, by value and by
-    displacement ``p - p0``, which must be larger than the tolerance (the comparison could fail)."""
+def assert_matches_optax(got, expected, start) -> None:
+    """The exactness contract on trees of ``nnx.Param``: same structure, each leaf and its displacement
+    within the bound of plain optax's, and every leaf moved by more than that bound (so it could fail)."""
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
-    for (path, a), e, p0 in zip(
-        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(expected), jax.tree.leaves(start), strict=True
-    ):
-        a, e, p0 = (np.asarray(v, np.float64) for v in (a, e, p0))
-        bound = tolerance * np.max(np.abs(e))
-        name = jax.tree_util.keystr(path)
-        assert np.max(np.abs(a - e)) <= bound, name
-        assert np.max(np.abs((a - p0) - (e - p0))) <= bound, name
-        assert np.max(np.abs(e - p0)) > bound, f"{name} did not move"
+    assert_close_to_optax(got, expected, start)
+    for (path, e), p0 in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(start), strict=True):
+        e, p0 = np.asarray(e, np.float64), np.asarray(p0, np.float64)
+        assert np.max(np.abs(e - p0)) > EXACT_BOUND * np.max(np.abs(e)), f"{jax.tree_util.keystr(path)} did not move"
 
 
 @pytest.mark.parametrize("in_jit", [False, True], ids=["eager", "jit"])
@@ -303,3 +298,44 @@ def test_a_checkpoint_of_nnx_params_restores_into_plain_optax_and_a_new_offload(
     updates, _ = resumed.update(grads, state["opt_state"], params)
     resumed.close()
     assert isinstance(updates["kernel"], nnx.Param) and int(state["opt_state"].step) == 1
+
+
+class LinenMLP(linen.Module):
+    """A small linen model, as in flax's linen examples (lm1b's blocks, shrunk): params come as plain dicts."""
+
+    @linen.compact
+    def __call__(self, x):
+        x = linen.gelu(linen.Dense(32)(x))
+        return linen.Dense(1)(linen.LayerNorm()(x))
+
+
+def train_linen(tx, steps: int = 5, *, in_jit: bool):
+    """flax's linen loop: ``TrainState.create`` and ``state.apply_gradients``, in a jitted step or after jitted grads."""
+    model = LinenMLP()
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    y = jnp.sum(jnp.cos(x), axis=1, keepdims=True)
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    grads_of = jax.grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))
+    if in_jit:
+        step = jax.jit(lambda state: state.apply_gradients(grads=grads_of(state.params)))
+    else:
+        jitted = jax.jit(grads_of)
+
+        def step(state):
+            return state.apply_gradients(grads=jitted(state.params))
+
+    for _ in range(steps):
+        state = step(state)
+    return params, state
+
+
+@pytest.mark.parametrize("in_jit", [False, True], ids=["eager", "jit"])
+def test_linen_train_state_matches_plain_optax(tmp_path, in_jit):
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    offload = jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="512B")
+    start, got = train_linen(offload, in_jit=in_jit)
+    assert int(got.opt_state.step) == 5 and len(offload.offloader.plan.subgroups) >= 3
+    offload.close()
+    _, expected = train_linen(inner, in_jit=in_jit)
+    assert_matches_optax(got.params, expected.params, start)
