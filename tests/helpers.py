@@ -122,8 +122,11 @@ def load_module(path: pathlib.Path) -> ModuleType:
     """Imports the script at ``path`` (an example or a benchmark) as the module named by its stem.
 
     It is registered in ``sys.modules`` first, as an import would: dataclasses (flax linen modules)
-    look their module up there.
+    look their module up there. Its directory goes on ``sys.path``, as for a script run directly, so
+    it imports the modules beside it (the benchmarks' ``common``, the GPT of ``train_gpt``).
     """
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module

@@ -12,7 +12,6 @@ import pytest
 from helpers import load_module
 
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import their shared module, as when run as scripts
 
 
 def test_ablation_benchmark_writes_json_and_png(tmp_path):

@@ -12,7 +12,6 @@ from helpers import load_module
 
 TESTS = pathlib.Path(__file__).parent
 EXAMPLES = TESTS.parent / "examples"
-sys.path.insert(0, str(EXAMPLES))  # the examples import their shared options module, as when run as scripts
 
 
 def test_train_gpt_learns_logs_every_update_and_matches_plain_optax(tmp_path):
