@@ -233,9 +233,9 @@ def dequantize_int8(packed: jax.Array) -> jax.Array:
     n = _unpacked_width(packed.shape[-1])
     codes = _blocks(packed[..., :n].astype(jnp.int32))
     scales = jax.lax.bitcast_convert_type(packed[..., n:].reshape(*packed.shape[:-1], -1, 4), jnp.float32)[..., None]
-    unsigned = (jnp.asarray(_UNSIGNED_MAP)[codes] * scales) ** 2
-    signed = jnp.asarray(_SIGNED_MAP)[codes] * -scales
-    values = jnp.where(scales >= 0, unsigned, signed)
+    # One lookup in both maps (signed, then unsigned), not one per map: XLA materializes each gather.
+    entries = jnp.asarray(np.concatenate([_SIGNED_MAP, _UNSIGNED_MAP]))[codes + jnp.where(scales >= 0, 256, 0)]
+    values = jnp.where(scales >= 0, (entries * scales) ** 2, entries * -scales)
     return values.reshape(*packed.shape[:-1], -1)[..., :n]
 
 

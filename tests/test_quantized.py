@@ -76,6 +76,17 @@ def test_int8_closed_form_codes_are_the_nearest_entry_as_a_search_finds_it(signe
     np.testing.assert_array_equal(codes, expected)
 
 
+def test_int8_codes_decode_to_the_map_entries_so_old_records_read_the_same():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (8, 600)).astype(np.uint8)
+    scales = (rng.standard_normal((8, 3)) * 10.0 ** rng.uniform(-5, 3, (8, 3))).astype(np.float32)
+    packed = np.concatenate([codes, scales.view(np.uint8).reshape(8, 12)], axis=1)
+    s = np.repeat(scales, quantized.BLOCK_SIZE, axis=-1)[:, :600]
+    unsigned = (quantized.dynamic_map(signed=False)[codes] * s) ** 2
+    expected = np.where(s >= 0, unsigned, quantized.dynamic_map(signed=True)[codes] * -s)
+    np.testing.assert_array_equal(np.asarray(quantized.dequantize_int8(jnp.asarray(packed))), expected)
+
+
 def test_bf16_rounds_to_nearest_even_or_stochastically_without_bias():
     x = jnp.full((4, 4096), 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bf16 ulp above 1
     nearest = quantized.compress({"m": x}, "bf16", jnp.int32(3))
