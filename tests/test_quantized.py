@@ -54,6 +54,39 @@ def test_int8_second_moment_never_underflows_and_keeps_its_top_decades_precise()
     assert np.mean(linear == 0) > 0.5, "the linear map this replaces zeroes most of them"
 
 
+def _map_inputs(values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Values in the map's range: log-uniform over nine decades, uniform, every entry and midpoint with its
+    float32 neighbours (the ties and the edges of each decade), 0, -0, the smallest floats and 1."""
+    signed = values[0] < 0
+    midpoints = quantized._midpoints(values)
+    edges = np.concatenate([values, midpoints, np.nextafter(midpoints, np.float32(2)), np.nextafter(midpoints, -2)])
+    magnitudes = np.concatenate([10.0 ** rng.uniform(-9, 0, 1 << 18), rng.uniform(0, 1, 1 << 16), [1e-30, 1e-45]])
+    x = np.concatenate([magnitudes * (rng.choice([-1, 1], magnitudes.size) if signed else 1), edges, [0, -0.0, 1]])
+    x = np.concatenate([x, -x]) if signed else x
+    return x[(np.abs(x) <= 1) & (signed | (x >= 0))].astype(np.float32)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_closed_form_codes_are_the_nearest_entry_as_a_search_finds_it(signed):
+    """The closed form keeps the map and its codes: each is the count of midpoints under x, ties included."""
+    values = quantized.dynamic_map(signed=signed)
+    x = _map_inputs(values, np.random.default_rng(0))
+    expected = np.searchsorted(quantized._midpoints(values), x, side="left")  # the old search's definition
+    codes = np.asarray(quantized._nearest(jnp.asarray(x), jnp.full(x.shape, not signed)))
+    np.testing.assert_array_equal(codes, expected)
+
+
+def test_int8_codes_decode_to_the_map_entries_so_old_records_read_the_same():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (8, 600)).astype(np.uint8)
+    scales = (rng.standard_normal((8, 3)) * 10.0 ** rng.uniform(-5, 3, (8, 3))).astype(np.float32)
+    packed = np.concatenate([codes, scales.view(np.uint8).reshape(8, 12)], axis=1)
+    s = np.repeat(scales, quantized.BLOCK_SIZE, axis=-1)[:, :600]
+    unsigned = (quantized.dynamic_map(signed=False)[codes] * s) ** 2
+    expected = np.where(s >= 0, unsigned, quantized.dynamic_map(signed=True)[codes] * -s)
+    np.testing.assert_array_equal(np.asarray(quantized.dequantize_int8(jnp.asarray(packed))), expected)
+
+
 def test_bf16_rounds_to_nearest_even_or_stochastically_without_bias():
     x = jnp.full((4, 4096), 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bf16 ulp above 1
     nearest = quantized.compress({"m": x}, "bf16", jnp.int32(3))
