@@ -84,6 +84,9 @@ def test_a_full_disk_names_the_path_and_the_last_step_resumes_on_a_roomy_path(tm
         tx, params, state = start([nvme, tmp_path / "pfs"])
         params, state = train(tx, params, state, range(3))
         assert any(nvme.glob("proc0000/sg*")), "the small path holds records"
+        # The last update's idle-time write-back must land before the disk fills: if it met the full disk
+        # instead, its records would stay dirty in the cache and close() would fail to flush them too.
+        tx.flush()
         print(f"records take {shutil.disk_usage(nvme).used / 2**20:.2f} MiB of the tmpfs before it is filled")
         fill(nvme)
         with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is full.*free space there or give another path"):
