@@ -418,7 +418,13 @@ def _plan(inner: optax.GradientTransformationExtraArgs, config: OffloadConfig, p
     sharding = LeafSharding.of(leaves)
     check = dependence.check_optimizer(inner, params, config.master_dtype, dict(config.extra_args))
     plan = partition.make_plan(
-        params, inner, config.subgroup_size, config.master_dtype, sharding.shards, whole_leaves=check.whole_leaves
+        params,
+        inner,
+        config.subgroup_size,
+        config.master_dtype,
+        sharding.shards,
+        whole_leaves=check.whole_leaves,
+        master_storage=config.master_storage,
     )
     oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
     _warn_of(oversized, plan, config.subgroup_size)

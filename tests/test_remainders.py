@@ -1,0 +1,177 @@
+"""fp32 masters stored as bf16 params plus int16 remainders: the bit arithmetic, then the offload that uses it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jax_mlp import remainders
+
+WORDS = np.arange(1 << 16, dtype=np.uint16)  # every bf16 word
+
+
+def _f32(bits) -> np.ndarray:
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+def _bf16(words) -> jax.Array:
+    return jnp.asarray(np.asarray(words, np.uint16).view(jnp.bfloat16))
+
+
+def _u32(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+def _u16(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint16)
+
+
+EDGES = np.array(
+    [
+        0x00000000,  # +0
+        0x80000000,  # -0
+        0x00000001,  # the smallest subnormal
+        0x80000001,
+        0x00007FFF,  # a subnormal below the first bf16 subnormal, rounded down
+        0x00008000,  # a tie, rounded up to the smallest bf16 subnormal
+        0x8000FFFF,
+        0x007FFFFF,  # the largest subnormal
+        0x00800000,  # the smallest normal
+        0x3F808000,  # a tie between 1.0078125 (odd word) and 1.015625: RNE also rounds up
+        0x3F818000,  # a tie above an odd word... and one above an even word, where RNE rounds down:
+        0x3F800000 | 0x8000,
+        0xBF808000,  # negative ties round up in magnitude
+        0x3F80FFFF,
+        0x7F7F0000,  # the largest bf16
+        0x7F7F7FFF,
+        0x7F7F8000,  # rounds up to inf: the remainder still gives it back
+        0x7F7FFFFF,  # the largest fp32
+        0xFF7FFFFF,
+        0x7F800000,  # inf
+        0xFF800000,  # -inf
+        0x7FC00000,  # a quiet NaN
+        0xFFC00001,
+        0x7F800001,  # a NaN whose high half reads as inf
+        0x7FFFFFFF,  # a NaN whose rounding would carry into the sign
+        0xFFFFFFFF,
+    ],
+    np.uint32,
+)
+
+
+def _masters() -> np.ndarray:
+    random = np.random.default_rng(0).integers(0, 1 << 32, size=1 << 18, dtype=np.uint64).astype(np.uint32)
+    return _f32(np.concatenate([EDGES, random]))
+
+
+def test_split_rounds_half_up_on_the_magnitude_and_rebuild_gives_the_master_back():
+    masters = _masters()
+    bits = _u32(masters)
+    params, remainder = remainders.split(jnp.asarray(masters))
+    assert params.dtype == jnp.bfloat16 and remainder.dtype == jnp.int16
+    finite = (bits & 0x7F800000) != 0x7F800000
+    expected_words = ((bits.astype(np.uint64) + 0x8000) >> 16).astype(np.uint16)  # half up, on the magnitude
+    np.testing.assert_array_equal(_u16(params)[finite], expected_words[finite])
+    # RNE (astype) agrees except on ties below an even word, which it rounds down: one ulp apart.
+    rne = _u16(jnp.asarray(masters).astype(jnp.bfloat16))
+    differs = finite & (_u16(params) != rne)
+    assert np.all((bits[differs] & 0xFFFF) == 0x8000) and np.all(_u16(params)[differs] - rne[differs] == 1)
+    assert np.any(differs)
+
+    rebuilt = np.asarray(remainders.rebuild(params, remainder))
+    nan = np.isnan(masters)
+    np.testing.assert_array_equal(_u32(rebuilt)[~nan], bits[~nan])  # every finite master and ±inf, bit for bit
+    assert np.all(np.isnan(rebuilt[nan])) and np.array_equal(np.signbit(rebuilt[nan]), np.signbit(masters[nan]))
+    # The params of a non-finite master are non-finite alike: inf stays inf, NaN stays NaN, with its sign.
+    words = np.asarray(params, np.float32)
+    assert np.all(np.isnan(words[nan])) and np.array_equal(np.signbit(words[nan]), np.signbit(masters[nan]))
+    infinite = np.isinf(masters)
+    np.testing.assert_array_equal(words[infinite], masters[infinite])
+
+
+def test_edge_cases_named():
+    cases = {
+        "+0": (0x00000000, 0x0000, 0),
+        "-0": (0x80000000, 0x8000, 0),
+        "subnormal rounded down": (0x00007FFF, 0x0000, 0x7FFF),
+        "subnormal tie rounded up": (0x00008000, 0x0001, -0x8000),
+        "tie above an even word": (0x3F808000, 0x3F81, -0x8000),
+        "negative tie": (0xBF808000, 0xBF81, -0x8000),
+        "largest bf16": (0x7F7F0000, 0x7F7F, 0),
+        "largest fp32 rounds to inf": (0x7F7FFFFF, 0x7F80, -1),
+        "-largest fp32": (0xFF7FFFFF, 0xFF80, -1),
+        "inf": (0x7F800000, 0x7F80, 0),
+        "-inf": (0xFF800000, 0xFF80, 0),
+        "NaN reading as inf": (0x7F800001, 0x7FC0, 0),
+        "NaN carrying into the sign": (0x7FFFFFFF, 0x7FFF, 0),
+        "-NaN carrying into the sign": (0xFFFFFFFF, 0xFFFF, 0),
+    }
+    for name, (master, word, remainder) in cases.items():
+        params, rem = remainders.split(jnp.asarray(_f32([master])))
+        assert (int(_u16(params)[0]), int(rem[0])) == (word, remainder), name
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN and inf on purpose
+def test_rebuild_follows_any_params():
+    """For every bf16 word and remainder, the rebuilt master splits back into that word: params the
+    user set are what the next update starts from, within half a bf16 ulp."""
+    rems = np.concatenate([[0, 1, -1, 0x7FFF, -0x8000], np.random.default_rng(1).integers(-0x8000, 0x8000, 27)])
+    params = _bf16(np.repeat(WORDS, len(rems)))
+    rem = jnp.asarray(np.tile(rems, len(WORDS)).astype(np.int16))
+    masters = remainders.rebuild(params, rem)
+    words, _ = remainders.split(masters)
+    np.testing.assert_array_equal(_u16(words), _u16(params))
+    finite = np.isfinite(np.asarray(params, np.float32))
+    ulp = np.abs(np.asarray(params, np.float64)[finite]) * 2.0**-7 + 2.0**-133
+    assert np.all(np.abs(np.asarray(masters, np.float64)[finite] - np.asarray(params, np.float64)[finite]) <= ulp)
+
+
+def _landed(params: jax.Array, new: jax.Array) -> np.ndarray:
+    return _u16(optax.apply_updates(params, remainders.landing_update(params, new)))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN and inf on purpose
+def test_landing_update_lands_exactly_where_an_fp32_addition_can():
+    edges = _bf16(
+        [0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x3F80, 0xBF80, 0x3F81, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80]
+    )
+    sample = _bf16(np.random.default_rng(2).choice(WORDS, 192, replace=False))
+    news = jnp.concatenate([edges, sample])
+    params = _bf16(WORDS)[None, :]
+    landed = _landed(params, news[:, None])
+    want = np.broadcast_to(_u16(news)[:, None], landed.shape)
+    p = np.broadcast_to(np.asarray(params, np.float64), landed.shape)
+    n = np.broadcast_to(np.asarray(news, np.float64)[:, None], landed.shape)
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    # XLA flushes subnormals in fp32 arithmetic (CPU and GPU alike), so no addition keeps or makes one.
+    normal = (np.abs(p) >= tiny) | (p == 0)
+    subnormal_new = (np.abs(n) < tiny) & (n != 0)
+    finite = np.isfinite(p) & np.isfinite(n) & normal & ~subnormal_new
+    exact = landed == want
+    # Unchanged words land exactly, infinities and signed zeros included (u = -0.0).
+    np.testing.assert_array_equal(exact[(_u16(news)[:, None] == _u16(params)) & normal], True)
+    # Finite to finite: exact wherever the new value is at least 2^-15 of the old one in magnitude and
+    # the step is a normal fp32 number; +0 never becomes -0 (-0 + u is -0 only for u = -0).
+    with np.errstate(invalid="ignore", over="ignore"):
+        step = np.abs(n - p)
+    near = finite & (np.abs(n) >= np.abs(p) * 2.0**-15) & (step >= tiny) & (step <= float(jnp.finfo(jnp.float32).max))
+    assert np.all(exact[near]), (p[near & ~exact][:5], n[near & ~exact][:5])
+    # A finite param made NaN or inf lands too.
+    nan_or_inf = np.isfinite(p) & normal & ~np.isfinite(n)
+    assert np.all(np.isinf(n[nan_or_inf]) <= exact[nan_or_inf])
+    # What no addition can do: a tiny new value after a huge one is off by far below one ulp of the old.
+    far = finite & (np.abs(n) < np.abs(p) * 2.0**-15) & (n != 0)
+    assert np.any(far & ~exact)
+    landed_f = np.asarray(landed.view(jnp.bfloat16), np.float64)
+    assert np.all(np.abs(landed_f - n)[far] <= np.abs(p[far]) * 2.0**-15)
+
+
+def test_stored_master_dtype():
+    f32, bf16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
+    assert remainders.stored_master_dtype(bf16, f32, "remainder") == np.int16
+    assert remainders.stored_master_dtype(bf16, f32, "full") == f32
+    assert remainders.stored_master_dtype(np.dtype(np.float16), f32, "remainder") == f32
+    assert remainders.stored_master_dtype(f32, f32, "remainder") == f32
