@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import decay_mask, grads_at, make_params
+from helpers import assert_same_bits
 
+import jax_mlp
 from jax_mlp import remainders
 
 WORDS = np.arange(1 << 16, dtype=np.uint16)  # every bf16 word
@@ -175,3 +178,92 @@ def test_stored_master_dtype():
     assert remainders.stored_master_dtype(bf16, f32, "full") == f32
     assert remainders.stored_master_dtype(np.dtype(np.float16), f32, "remainder") == f32
     assert remainders.stored_master_dtype(f32, f32, "remainder") == f32
+
+
+# --------------------------------------------------------------------------------- the offload
+
+SUBGROUP = "16KiB"
+STEPS = 6
+
+
+def _inner():
+    return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+
+
+def _train(tx, params, steps, *, route="update", state=None):
+    """``steps`` updates through ``route``: "update" (+ apply_updates), "jit" (update traced) or "apply" (fused)."""
+    state = tx.init(params) if state is None else state
+    update = jax.jit(tx.update) if route == "jit" else tx.update
+    for step in steps:
+        grads = grads_at(params, step)
+        if route == "apply":
+            params, state = tx.apply(grads, state, params)
+        else:
+            updates, state = update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _stored_masters(tx) -> list[np.ndarray]:
+    pin = tx.offloader.pin()
+    return [m for sg in tx.offloader.plan.subgroups for m in tx.offloader.read_pinned(pin, sg.index)[1]]
+
+
+def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(paths):
+    params = make_params(dtype=jnp.bfloat16)
+    options = dict(subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+    tx = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "a"], **options)
+    reference, _ = _train(tx, params, range(STEPS))
+    state_bytes = tx.offloader.plan.state_nbytes
+    assert all(m.dtype == np.int16 for m in _stored_masters(tx))
+    tx.close()
+    full = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "full"], master_storage="full", **options)
+    full.init(params)
+    assert full.offloader.plan.state_nbytes > 1.1 * state_bytes  # adam's 8 B + 4 B, against 8 B + 2 B
+    assert all(m.dtype == np.float32 for m in _stored_masters(full))
+    full.close()
+
+    variants = {
+        "two_paths_part_cache": (dict(paths=[paths[0] / "b", paths[1] / "b"], host_cache=state_bytes // 3), "update"),
+        "three_paths_full_cache": (dict(paths=[p / "c" for p in paths], host_cache=2 * state_bytes), "update"),
+        "fused_apply": (dict(paths=[paths[0] / "d"], host_cache=state_bytes // 2), "apply"),
+        "in_jit": (dict(paths=[paths[1] / "e"]), "jit"),
+    }
+    for variant, (where, route) in variants.items():
+        tx = jax_mlp.mlp_offload(_inner(), **where, **options)
+        params_out, _ = _train(tx, jax.tree.map(jnp.copy, params), range(STEPS), route=route)
+        tx.close()
+        assert_same_bits(params_out, reference, variant)
+
+
+def _in_memory(params, steps, inner):
+    """The scheme in memory: optax on an fp32 master, the params its bf16 cast."""
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    state = inner.init(master)
+    for step in steps:
+        grads = jax.tree.map(
+            lambda g: g.astype(jnp.float32), grads_at(jax.tree.map(lambda m: m.astype(jnp.bfloat16), master), step)
+        )
+        updates, state = inner.update(grads, state, master)
+        master = optax.apply_updates(master, updates)
+    return master
+
+
+@pytest.mark.parametrize("storage", ["remainder", "full"])
+def test_params_changed_between_steps(storage, paths):
+    """With remainders the master follows params the user changed (loaded, averaged); a full master
+    overrides them at the next update."""
+    params = make_params(dtype=jnp.bfloat16)
+    tx = jax_mlp.mlp_offload(
+        optax.sgd(0.0), paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32, master_storage=storage
+    )
+    state = tx.init(params)
+    params, state = _train(tx, params, range(2), state=state)
+    changed = jax.tree.map(lambda p: (0.5 * p.astype(jnp.float32) + 0.25).astype(jnp.bfloat16), params)
+    updates, state = tx.update(grads_at(changed, 2), state, changed)
+    after = optax.apply_updates(changed, updates)
+    tx.close()
+    if storage == "remainder":
+        assert_same_bits(after, changed, "a zero step keeps the params the user set")
+    else:
+        assert_same_bits(after, params, "the full master snaps the params back")
