@@ -132,7 +132,9 @@ def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_para
     fault = inject_write_faults(monkeypatch)
 
     def run(path, steps, fail_at=None):
-        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+        tx = jax_mlp.mlp_offload(
+            optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, master_dtype=jnp.float32, master_storage="full"
+        )
         params = make_params(dtype=jnp.bfloat16)
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         state = tx.init(params)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from conftest import decay_mask, grads_at, make_params
-from helpers import assert_same_bits
+from helpers import assert_bf16_within_ulp, assert_same_bits, load_module
 
 import jax_mlp
 from jax_mlp import remainders
@@ -267,3 +269,56 @@ def test_params_changed_between_steps(storage, paths):
         assert_same_bits(after, changed, "a zero step keeps the params the user set")
     else:
         assert_same_bits(after, params, "the full master snaps the params back")
+
+
+def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_both_routes(tmp_path):
+    """``examples/train_gpt.py``'s model in bf16, adamw with its schedule: the update route and the
+    fused apply, fed the same grads as optax on an fp32 master in memory (params its bf16 cast)."""
+    from flax import nnx
+
+    gpt = load_module(pathlib.Path(__file__).parents[1] / "examples" / "train_gpt.py")
+    args = gpt.parse_args(["--steps", "100", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32"])
+    tokens = gpt.encode(gpt.build_corpus())
+    batches = gpt.Batches(tokens, 16, args.seq_len, args.seed)
+    model = gpt.GPT(len(gpt.VOCAB), args.seq_len, args.d_model, args.layers, args.heads, rngs=nnx.Rngs(args.seed))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state.to_pure_dict())
+
+    @jax.jit
+    def grads_of(pure, inputs, targets):
+        local = jax.tree.map(lambda x: x, state)  # a new State: the traced values stay in it
+        nnx.replace_by_pure_dict(local, pure)
+        return jax.grad(lambda s: gpt.cross_entropy(nnx.merge(graphdef, s), inputs, targets))(local).to_pure_dict()
+
+    inner = gpt.make_adamw(args)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    reference_state = inner.init(master)
+    reference_update = jax.jit(inner.update)
+    options = dict(subgroup_size="8KiB", host_cache="16KiB", master_dtype=jnp.float32)
+    by_update = jax_mlp.mlp_offload(inner, paths=[tmp_path / "update"], **options)
+    by_apply = jax_mlp.mlp_offload(inner, paths=[tmp_path / "apply"], **options)
+    update_state, apply_state = by_update.init(params), by_apply.init(params)
+    applied = jax.tree.map(jnp.copy, params)
+    for _ in range(args.steps):
+        grads = grads_of(params, *batches.next())
+        updates, update_state = by_update.update(grads, update_state, params)
+        params = optax.apply_updates(params, updates)
+        applied, apply_state = by_apply.apply(jax.tree.map(jnp.copy, grads), apply_state, applied)
+        updates, reference_state = reference_update(
+            jax.tree.map(lambda g: g.astype(jnp.float32), grads), reference_state, master
+        )
+        master = optax.apply_updates(master, updates)
+    by_update.close()
+    by_apply.close()
+    expected = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+    moved = max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        for a, b in zip(
+            jax.tree.leaves(params),
+            jax.tree.leaves(jax.tree.map(lambda p: p.astype(jnp.float32), state.to_pure_dict())),
+            strict=True,
+        )
+    )
+    assert moved > 0.01, "the params must move for the comparison to mean anything"
+    assert_bf16_within_ulp(params, expected, "update + apply_updates against the in-memory scheme")
+    assert_bf16_within_ulp(applied, expected, "fused apply against the in-memory scheme")
