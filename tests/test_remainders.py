@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -322,3 +323,24 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
     assert moved > 0.01, "the params must move for the comparison to mean anything"
     assert_bf16_within_ulp(params, expected, "update + apply_updates against the in-memory scheme")
     assert_bf16_within_ulp(applied, expected, "fused apply against the in-memory scheme")
+
+
+def test_tiers_of_full_masters_resume_as_full_and_are_refused_as_remainders(paths):
+    """Tiers written with whole masters (also before remainders existed) are read with
+    ``master_storage="full"``; resuming them as remainders names that difference."""
+    params = make_params(dtype=jnp.bfloat16)
+    options = dict(paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+    tx = jax_mlp.mlp_offload(_inner(), master_storage="full", **options)
+    expected, _ = _train(tx, params, range(3))
+    tx.close()
+    run_json = paths[0] / "proc0000" / "run.json"
+    identity = json.loads(run_json.read_text())
+    assert identity["plan"].pop("master_storage") == "full"
+    run_json.write_text(json.dumps(identity))  # as the format before remainders wrote it
+    with pytest.raises(jax_mlp.RecordError, match=r"full masters, this offload's remainder.*master_storage='full'"):
+        jax_mlp.mlp_offload(_inner(), resume=True, **options).init(params)
+    tx = jax_mlp.mlp_offload(_inner(), resume=True, master_storage="full", **options)
+    state = tx.init(params)
+    assert int(state.step) == 3
+    assert_same_bits(jax_mlp.restore_params(tx, params), expected)
+    tx.close()
