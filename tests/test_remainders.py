@@ -283,13 +283,13 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
     batches = gpt.Batches(tokens, 16, args.seq_len, args.seed)
     model = gpt.GPT(len(gpt.VOCAB), args.seq_len, args.d_model, args.layers, args.heads, rngs=nnx.Rngs(args.seed))
     graphdef, state = nnx.split(model)
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state.to_pure_dict())
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.to_pure_dict(state))
 
     @jax.jit
     def grads_of(pure, inputs, targets):
         local = jax.tree.map(lambda x: x, state)  # a new State: the traced values stay in it
         nnx.replace_by_pure_dict(local, pure)
-        return jax.grad(lambda s: gpt.cross_entropy(nnx.merge(graphdef, s), inputs, targets))(local).to_pure_dict()
+        return nnx.to_pure_dict(jax.grad(lambda s: gpt.cross_entropy(nnx.merge(graphdef, s), inputs, targets))(local))
 
     inner = gpt.make_adamw(args)
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
@@ -316,7 +316,7 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(
             jax.tree.leaves(params),
-            jax.tree.leaves(jax.tree.map(lambda p: p.astype(jnp.float32), state.to_pure_dict())),
+            jax.tree.leaves(jax.tree.map(lambda p: p.astype(jnp.float32), nnx.to_pure_dict(state))),
             strict=True,
         )
     )
