@@ -300,3 +300,20 @@ def test_s3_keys_in_the_environment_are_used_without_the_sdk_logging_missing_aws
     environment are read by its ``environment`` provider, which logs nothing."""
     open_path(jax_mlp.Path(s3.spec("bkt", "quiet"))).remove()
     assert ".aws" not in capfd.readouterr().err
+
+
+def test_probe_and_plan_take_urls_and_json_specs_and_report_no_free_space(s3, gcs, capsys):
+    from jax_mlp import cli
+
+    spec = json.dumps(s3.spec("bkt", "probe"))
+    arguments = ["--size", "2MiB", "--record", "1MiB", "--state", "8MiB", "--subgroup-size", "1MiB"]
+    assert cli.main(["probe", "gs://gbkt/probe", spec, *arguments]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert set(rows) == {"gs://gbkt/probe/", "s3://bkt/probe/"}, lines
+    assert all(row[5] == "-" and float(row[1]) > 0 and float(row[3]) > 0 for row in rows.values()), rows
+    assert "an object store has no free-space figure" in "\n".join(lines)
+    pasted = lines[-1].removeprefix("for jax-mlp plan elsewhere: --paths ")
+    assert cli.main(["plan", "--params", "1B", "--paths", pasted, "gs://gbkt/plan"]) == 0
+    out = capsys.readouterr().out
+    assert "probed gs://gbkt/plan/: read " in out and "s3://bkt/probe/" in out
