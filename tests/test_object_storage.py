@@ -26,6 +26,7 @@ from helpers import assert_close_to_optax, assert_same_bits
 from object_stores import S3_KEYS, FakeGcs, MotoS3
 
 import jax_mlp
+from jax_mlp import report
 from jax_mlp.storage.kvstore import retries_within
 from jax_mlp.storage.paths import PathStore, open_path
 
@@ -96,12 +97,15 @@ def test_local_plus_s3_and_gcs_alone_match_optax_and_the_local_run_bitwise(s3, g
     params = make_params()
     options = {"subgroup_size": SUBGROUP, "placement": "round_robin", "rebalance": False}
     local, _ = run_offload(INNER, params, 3, [tmp_path / "a", tmp_path / "b"], **options)
-    mixed, stats = run_offload(INNER, params, 3, [tmp_path / "c", s3.spec("bkt", "exact")], **options)
+    log = tmp_path / "log.jsonl"
+    mixed, stats = run_offload(INNER, params, 3, [tmp_path / "c", s3.spec("bkt", "exact")], log_to=log, **options)
     alone, gcs_stats = run_offload(INNER, params, 3, ["gs://gbkt/exact"], subgroup_size=SUBGROUP)
     assert stats.bytes_read["s3://bkt/exact/"] > 0 and stats.bytes_written["s3://bkt/exact/"] > 0
     assert set(stats.bandwidth) == {str(tmp_path / "c"), "s3://bkt/exact/"}, "the store is a path of its own speed"
     assert gcs_stats.bytes_read["gs://gbkt/exact/"] > 0
     assert_same_bits(mixed, local, "local + S3 against two local directories")
+    figure = report.make_figure(report.load_log(log))
+    assert "p1 = s3://bkt/exact/" in figure.get_suptitle(), "the report names the store with its bucket"
     assert_same_bits(alone, local, "GCS alone against two local directories")
     assert_close_to_optax(local, run_optax(INNER, params, 3, jit=False), params, what="offloaded against optax")
 
