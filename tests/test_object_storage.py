@@ -27,8 +27,9 @@ from object_stores import S3_KEYS, FakeGcs, MotoS3
 
 import jax_mlp
 from jax_mlp import report
-from jax_mlp.storage.kvstore import retries_within
+from jax_mlp.storage.kvstore import ONE_RETRY, KvStoreBackend, retries_within
 from jax_mlp.storage.paths import PathStore, open_path
+from jax_mlp.storage.record import new_record
 
 TESTS = Path(__file__).resolve().parent
 SUBGROUP = "32KiB"
@@ -160,6 +161,42 @@ def test_an_s3_server_killed_between_updates_fails_the_next_update_in_bounded_ti
                 train(tx, params, state, [2])
             assert time.monotonic() - started < OUTAGE_BOUND
             assert tx.offloader.step == 2, "a failed update changes nothing visible"
+    finally:
+        server.stop()
+
+
+def s3_retries() -> int:
+    """tensorstore's count of S3 request retries in this process so far."""
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/retries")
+    return sum(value["value"] for metric in metrics for value in metric["values"])
+
+
+def test_once_a_store_is_found_unreachable_new_requests_fail_at_once_until_it_answers(monkeypatch):
+    """The first request retries for store_timeout; later ones ask once and fail: an update's pipeline
+    does not wait store_timeout again for each read it starts. Once the server is back, requests work."""
+    for name, value in S3_KEYS.items():
+        monkeypatch.setenv(name, value)
+    server = MotoS3().start()
+    try:
+        server.create_bucket("bkt")
+        backend = KvStoreBackend(server.spec("bkt", "breaker"), 0, store_timeout=1.0)
+        record = new_record(8192)
+        array = backend.open_record("r", record.nbytes, create=True)
+        array.write(record).result()
+        server.kill()
+        before = s3_retries()
+        with pytest.raises(ValueError, match="retry attempts failed"):
+            array.read().result()
+        after_first = s3_retries()
+        assert after_first - before == retries_within(1.0)["max_retries"] > 1
+        for _ in range(3):
+            with pytest.raises(ValueError, match="retry attempts failed"):
+                array.read().result()
+        assert s3_retries() - after_first <= 3 * ONE_RETRY["max_retries"]
+        server.start()  # moto keeps nothing: the bucket and the record are written again
+        server.create_bucket("bkt")
+        backend.open_record("r", record.nbytes, create=True).write(record).result()
+        assert np.array_equal(array.read().result(), record)
     finally:
         server.stop()
 
@@ -321,3 +358,20 @@ def test_probe_and_plan_take_urls_and_json_specs_and_report_no_free_space(s3, gc
     assert cli.main(["plan", "--params", "1B", "--paths", pasted, "gs://gbkt/plan"]) == 0
     out = capsys.readouterr().out
     assert "probed gs://gbkt/plan/: read " in out and "s3://bkt/probe/" in out
+
+
+def test_the_object_store_benchmark_writes_the_ratio_to_the_raw_throughput(tmp_path):
+    script = TESTS.parent / "benchmarks" / "object_store.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((tmp_path / "object_store.json").read_text())
+    assert [server["server"] for server in written["servers"]] == ["s3", "gcs"]
+    for server in written["servers"]:
+        assert server["records"] >= 2 and server["median_ratio_to_io_bound"] > 0
+        for row in server["updates"]:
+            assert row["bytes_read"] >= server["state_bytes"] and row["bytes_written"] >= server["state_bytes"]
+            assert row["raw_read_MBps"] > 0 and row["raw_write_MBps"] > 0
+            assert row["ratio_to_io_bound"] == row["update_s"] / row["io_bound_s"]

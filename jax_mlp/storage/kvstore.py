@@ -5,14 +5,20 @@ moves the bytes: each record's ~4 MiB chunks are requests of their own, many in 
 the driver's ``*_request_concurrency``, 32 by default), which is what an object store needs in place of
 O_DIRECT. A spec is opened in one tensorstore context of its own, so a ``memory`` store lives as long
 as its backend, and a failing request is retried with exponential backoff for at most
-``store_timeout`` seconds (:func:`retries_within`) before it fails with an error naming the store.
+``store_timeout`` seconds (:func:`retries_within`) before it fails with an error naming the store;
+the records' other requests then in flight give up at once (:class:`_Request`), so an update on an
+unreachable store fails after about ``store_timeout``, not one such wait after another.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import tensorstore as ts
 
 from jax_mlp.config import kvstore_url
@@ -26,6 +32,8 @@ LONGEST_RETRY_DELAY = 8.0
 _STORE_FAULTS = ("PERMISSION_DENIED", "UNAUTHENTICATED", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CURL error")
 _REFUSED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "InvalidAccessKeyId", "SignatureDoesNotMatch")
 _HTTP_DETAIL = re.compile(r"\s*\[http_response_body=.*", re.DOTALL)
+OUTAGE_POLL = 0.05
+"""Seconds between a waiting request's looks at whether another one found the store unreachable."""
 
 
 def retries_within(seconds: float) -> dict:
@@ -51,9 +59,12 @@ def retries_within(seconds: float) -> dict:
     return {"max_retries": count, "initial_delay": f"{first:g}s", "max_delay": f"{longest:g}s"}
 
 
-def store_context(store_timeout: float) -> ts.Context:
-    """A tensorstore context whose object-store requests give up after about ``store_timeout`` seconds of retries."""
-    retries = retries_within(store_timeout)
+ONE_RETRY = {"max_retries": 1, "initial_delay": "0.01s", "max_delay": "0.01s"}
+"""The fewest retries tensorstore allows: whether a store answers now."""
+
+
+def store_context(retries: dict) -> ts.Context:
+    """A tensorstore context whose object-store requests are retried as ``retries`` says (see :func:`retries_within`)."""
     return ts.Context({"file_io_sync": False, "s3_request_retries": retries, "gcs_request_retries": retries})
 
 
@@ -108,6 +119,81 @@ def describe_store_error(url: str, error: BaseException, *, store_timeout: float
     return f"I/O on object store {url} failed: {text}; check the store, then retry or give another path"
 
 
+class _Outages:
+    """What the requests to one store share: how often one found it unreachable, and the last such error.
+
+    Once one has, a new request first asks the store once, without retries (``alive``), and fails at
+    once while it still does not answer: a pipeline that goes on reading would otherwise wait
+    ``store_timeout`` again for each request it starts.
+    """
+
+    def __init__(self, alive: Callable[[], None]):
+        self._lock = threading.Lock()
+        self._alive = alive
+        self.count = 0
+        self.error: BaseException | None = None
+
+    def found(self, error: BaseException) -> None:
+        with self._lock:
+            self.count, self.error = self.count + 1, error
+
+    def check(self) -> None:
+        """Raises the last outage's error if the store was found unreachable and still does not answer."""
+        error = self.error
+        if error is None:
+            return
+        try:
+            self._alive()
+        except Exception as again:
+            if store_failed(again):
+                raise ValueError(str(error)) from None
+            raise
+        with self._lock:
+            if self.error is error:
+                self.error = None
+
+
+class _Request:
+    """A record's read or write that gives up as soon as another request to its store, started no later,
+    has found the store unreachable: it would only go on retrying against the same server for up to
+    ``store_timeout`` more, and an update waits for every request in flight before it fails."""
+
+    def __init__(self, future: ts.Future, outages: _Outages):
+        self._future, self._outages, self._seen = future, outages, outages.count
+
+    def result(self) -> Any:
+        while True:
+            try:
+                return self._future.result(timeout=OUTAGE_POLL)
+            except TimeoutError:
+                if self._outages.count != self._seen:
+                    self._future.cancel()
+                    raise ValueError(str(self._outages.error)) from None
+            except Exception as error:
+                if store_failed(error):
+                    self._outages.found(error)
+                raise
+
+
+class _StoreArray:
+    """A record's array on a store, whose transfers are :class:`_Request`s."""
+
+    def __init__(self, array: ts.TensorStore, outages: _Outages):
+        self._array, self._outages = array, outages
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._array.shape
+
+    def read(self) -> _Request:
+        self._outages.check()
+        return _Request(self._array.read(), self._outages)
+
+    def write(self, record: np.ndarray) -> _Request:
+        self._outages.check()
+        return _Request(self._array.write(record), self._outages)
+
+
 class KvStoreBackend:
     """A :class:`~jax_mlp.storage.backend.Backend` under a tensorstore kvstore spec.
 
@@ -135,11 +221,14 @@ class KvStoreBackend:
         self.directory = f"{self.root}proc{process_index:04d}/"
         self._where = _endpoint(self._base)
         self._store_timeout = store_timeout
-        self._context = store_context(store_timeout)
+        self._context = store_context(retries_within(store_timeout))
         try:
             self._kvstore = ts.KvStore.open({**self._base, "path": self._prefix}, context=self._context).result()
+            once = store_context(ONE_RETRY)
+            quick = ts.KvStore.open({**self._base, "path": self._prefix}, context=once).result()
         except Exception as error:
             raise PathError(f"path {self.root} cannot be opened as a tensorstore kvstore: {error}") from error
+        self._outages = _Outages(lambda: quick.read(RUN_FILE).result())
         try:
             self._kvstore.write(".write_probe", b"0").result()
             self._kvstore.delete_range(ts.KvStore.KeyRange(".write_probe", ".write_probe\0")).result()
@@ -154,7 +243,7 @@ class KvStoreBackend:
 
     def open_record(self, name: str, nbytes: int | None, *, create: bool) -> RecordArray:
         spec = zarr3_spec({**self._base, "path": f"{self._prefix}{name}/"}, nbytes)
-        return open_zarr3(spec, self._context, create=create)
+        return _StoreArray(open_zarr3(spec, self._context, create=create), self._outages)
 
     def has_record(self, name: str) -> bool:
         return True  # asking costs a request too: a missing record fails its read, which counts as absent
