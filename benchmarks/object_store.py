@@ -10,7 +10,9 @@ For each server (moto's S3 server and fake-gcs-server, started here on 127.0.0.1
    before every update, so the server is measured under the same conditions;
 2. the time of ``mlp_offload(optax.adam, host_cache=0)`` updates on that store alone, default options;
 3. the I/O bound of each update, ``bytes_read / raw_read + bytes_written / raw_write`` (and the bound
-   from reading and writing at once), and the ratio of the update to it.
+   from reading and writing at once), and the ratio of the update to it;
+4. an outage: a small offload with the default ``store_timeout``, the server killed between two
+   updates, and the seconds until the next update fails (with the error's first words).
 
 The ratio is what carries over to a real bucket; the absolute figures are those of a Python (moto)
 or Go (fake-gcs) server on this machine's two cores, which the update's own compute shares.
@@ -18,7 +20,7 @@ or Go (fake-gcs) server on this machine's two cores, which the update's own comp
 Writes ``object_store.json`` into ``--out``.
 
     python benchmarks/object_store.py --out benchmarks/results
-    python benchmarks/object_store.py --smoke --out /tmp/store   # a few seconds, for tests
+    python benchmarks/object_store.py --smoke --out /tmp/store   # seconds, for tests (store_timeout=2 there)
 """
 
 from __future__ import annotations
@@ -154,6 +156,37 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
     }
 
 
+def outage(server: MotoS3 | FakeGcs, spec: dict, store_timeout: float | None) -> dict:
+    """Seconds from killing ``server`` between two updates to the next update's failure; the server is restarted."""
+    options = {} if store_timeout is None else {"store_timeout": store_timeout}
+    config = jax_mlp.OffloadConfig(paths=[spec], **options)
+    params = {f"w{i}": jnp.full((64, 256), float(i)) for i in range(8)}
+    tx = jax_mlp.mlp_offload(
+        optax.adam(1e-3), paths=[{**spec, "path": spec["path"] + "outage/"}], subgroup_size="128KiB", **options
+    )
+    state = tx.init(params)
+    for step in range(2):
+        _, state = tx.update(jax.tree.map(lambda p, step=step: p * 0.0 + step, params), state, params)
+    server.kill()
+    start = time.perf_counter()
+    try:
+        tx.update(params, state, params)
+        error = "none: the update succeeded"
+    except jax_mlp.OffloadError as failure:
+        error = f"{type(failure).__name__}: {str(failure)[:160]}"
+    seconds = time.perf_counter() - start
+    server.start()
+    if isinstance(server, MotoS3):
+        server.create_bucket(spec["bucket"])  # moto keeps nothing across a restart
+    tx.close(delete=True)
+    return {
+        "store_timeout": config.store_timeout,
+        "io_timeout": config.io_timeout,
+        "failed_after_s": seconds,
+        "error": error,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
@@ -177,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
                 server.create_bucket("bench")
                 spec = {"driver": "gcs", "bucket": "bench", "path": "offload/"}
             try:
-                results["servers"].append(measure(name, spec, args))
+                row = measure(name, spec, args)
+                row["outage"] = outage(server, spec, 2.0 if args.smoke else None)
+                results["servers"].append(row)
             finally:
                 server.stop()
     print_and_save(results, out / "object_store.json")

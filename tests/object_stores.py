@@ -1,15 +1,19 @@
 """Real object-store servers on 127.0.0.1 for the tests and the benchmark: moto's S3 server and fake-gcs-server.
 
-Each server runs as a child process on a free port and is stopped (killed and reaped) by ``stop``;
+Each server runs as a child process on a free port and is stopped (killed and reaped) by ``stop``, or
+by the kernel when the process that started it dies;
 ``kill`` and ``start`` again on the same port emulate an outage. The fake-gcs-server keeps its objects
 in a directory, so they survive a restart. Nothing here talks to the internet.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +31,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills the server when the process that started it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _wait_for(port: int, process: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -62,7 +72,11 @@ class Server:
 
     def start(self) -> Server:
         self.process = subprocess.Popen(
-            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.environment()
+            self.command(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=self.environment(),
+            preexec_fn=_die_with_parent,
         )
         _wait_for(self.port, self.process, self.what)
         return self

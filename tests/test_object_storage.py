@@ -371,6 +371,7 @@ def test_the_object_store_benchmark_writes_the_ratio_to_the_raw_throughput(tmp_p
     assert [server["server"] for server in written["servers"]] == ["s3", "gcs"]
     for server in written["servers"]:
         assert server["records"] >= 2 and server["median_ratio_to_io_bound"] > 0
+        assert server["outage"]["error"].startswith("PathError") and "is unreachable" in server["outage"]["error"]
         for row in server["updates"]:
             assert row["bytes_read"] >= server["state_bytes"] and row["bytes_written"] >= server["state_bytes"]
             assert row["raw_read_MBps"] > 0 and row["raw_write_MBps"] > 0
