@@ -8,12 +8,9 @@ in a directory, so they survive a restart. Nothing here talks to the internet.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,10 +30,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills the server when the process that started it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _dying_with_parent(command: list[str]) -> list[str]:
+    """``command`` run so that the kernel kills it when the process that started it dies, where util-linux's
+    ``setpriv`` can ask for that (a ``preexec_fn`` would make Python fork a process that runs JAX's threads)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *command] if setpriv else command
 
 
 def _wait_for(port: int, process: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -72,11 +70,10 @@ class Server:
 
     def start(self) -> Server:
         self.process = subprocess.Popen(
-            self.command(),
+            _dying_with_parent(self.command()),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=self.environment(),
-            preexec_fn=_die_with_parent,
         )
         _wait_for(self.port, self.process, self.what)
         return self
