@@ -198,9 +198,9 @@ class Path:
 
     @property
     def identity(self) -> str:
-        """What makes two paths the same storage: the real directory, or the spec."""
+        """What makes two paths the same storage: the real directory, or the spec (``run1`` and ``run1/`` alike)."""
         if isinstance(self.location, dict):
-            return json.dumps(self.location, sort_keys=True)
+            return json.dumps({**self.location, "path": kvstore_url({**self.location})}, sort_keys=True)
         return os.path.realpath(self.location)
 
     @property

@@ -78,6 +78,9 @@ def test_urls_and_specs_are_paths_named_with_their_bucket():
     assert jax_mlp.Path("gs://gbkt/a/b/").name == "gs://gbkt/a/b/"
     assert jax_mlp.Path({"driver": "s3", "bucket": "bkt", "endpoint": "http://x:1", "path": "p"}).name == "s3://bkt/p/"
     assert jax_mlp.Path("file:///tmp/run").location == "/tmp/run"
+    assert s3.identity == jax_mlp.Path({"driver": "s3", "bucket": "bkt", "path": "run1/"}).identity
+    with pytest.raises(jax_mlp.OffloadError, match="is given twice"):
+        jax_mlp.mlp_offload(INNER, paths=["s3://bkt/run1", {"driver": "s3", "bucket": "bkt", "path": "run1/"}])
     with pytest.raises(jax_mlp.OffloadError, match=r"path 'nosuch://x' is not a tensorstore kvstore URL"):
         jax_mlp.Path("nosuch://x")
     with pytest.raises(jax_mlp.OffloadError, match="store_timeout must be positive"):
