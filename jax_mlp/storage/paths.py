@@ -112,7 +112,12 @@ class PathStore:
         for slot in (0, 1):
             with self._lock:
                 self._arrays.pop((subgroup, slot), None)
-            self.backend.delete_record(record_name(subgroup, slot))
+            try:
+                self.backend.delete_record(record_name(subgroup, slot))
+            except Exception as error:
+                raise PathError(
+                    f"deleting record {self._name(subgroup, slot)}: {self.backend.describe(error)}"
+                ) from error
 
     def read_run_file(self) -> dict | None:
         """The run's identity as written by :meth:`write_run_file`, or None where there is none."""
