@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -164,6 +165,33 @@ def test_an_s3_server_killed_between_updates_fails_the_next_update_in_bounded_ti
                 train(tx, params, state, [2])
             assert time.monotonic() - started < OUTAGE_BOUND
             assert tx.offloader.step == 2, "a failed update changes nothing visible"
+    finally:
+        server.stop()
+
+
+def test_a_hung_s3_server_is_bounded_by_io_timeout_and_the_update_can_be_retried(monkeypatch):
+    """A server that accepts connections and never answers (SIGSTOP) is no refused connection: curl waits for
+    its low-speed limit, so io_timeout bounds the update (twice: the wait, then the settling of what is in
+    flight). Once the server answers again, the same update succeeds."""
+    for name, value in S3_KEYS.items():
+        monkeypatch.setenv(name, value)
+    server = MotoS3().start()
+    try:
+        server.create_bucket("bkt")
+        params = make_params()
+        options = {"subgroup_size": SUBGROUP, "store_timeout": STORE_TIMEOUT, "io_timeout": 3.0}
+        tx = jax_mlp.mlp_offload(INNER, paths=[server.spec("bkt", "hung")], **options)
+        params, state = train(tx, params, tx.init(params), range(2))
+        server.process.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(jax_mlp.OffloadError, match=r"did not finish within io_timeout=3s"):
+            train(tx, params, state, [2])
+        assert time.monotonic() - started < OUTAGE_BOUND
+        server.process.send_signal(signal.SIGCONT)
+        got, _ = train(tx, params, state, [2])
+        tx.close()
+        start = make_params()
+        assert_close_to_optax(got, run_optax(INNER, start, 3, jit=False), start, what="retried after the hang")
     finally:
         server.stop()
 
