@@ -17,7 +17,7 @@ orbax and ``mlp_offload``'s records handle it like any other leaf.
   same for a row chunk as for those rows of the whole leaf, so bits never depend on the tiering.
 - ``"int8"``: blocks of ``BLOCK_SIZE`` along the last axis, each with a float32 scale kept at the
   end of its row; the codes are uint8 indices into a dynamic (exponent + fraction) map, the nearest entry
-  found in closed form (``_nearest``: a few compares, a multiply, one lookup). A block that holds a negative value uses
+  found by one lookup and one compare (``_nearest``: a table indexed by the value's top 16 bits). A block that holds a negative value uses
   the signed map on ``x / absmax`` (its scale is stored negated); a non-negative block (adam's ``nu``)
   uses the unsigned map on ``sqrt(x) / max sqrt(x)``. Its seven decades of ``sqrt`` span fourteen
   of ``nu``, so small ``nu`` never underflows to zero, as a linear absmax map's does (measured in
