@@ -33,6 +33,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+TRANSFERS = ("auto", "pinned", "plain")  # how subgroups move between host and device: see jax_mlp.transfer
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -271,6 +272,10 @@ class OffloadConfig:
         ``OffloadState`` and return zero updates (their idle time reads the state ahead); call k
         streams the state once, with the mean. 1 (the default) updates on every call. Eager only.
       accumulator_dtype: the floating dtype of that running mean of the grads, ``float32`` by default.
+      transfer: how subgroups move between host and device: ``"pinned"`` through the device's
+        ``pinned_host`` memory with zero-copy host views, ``"plain"`` by ``device_put`` and
+        ``np.asarray``, or ``"auto"`` (pinned on GPUs that have it, plain elsewhere; the stats' ``transfer``
+        says which ran). Both move the same bits.
     """
 
     paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path
@@ -293,6 +298,7 @@ class OffloadConfig:
     extra_args: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
     accumulate_steps: int = 1
     accumulator_dtype: Any = np.float32
+    transfer: str = "auto"
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -344,6 +350,8 @@ class OffloadConfig:
             raise OffloadError(
                 f"placement must be 'bandwidth' or 'round_robin', got {self.placement!r}: pass one of those"
             )
+        if self.transfer not in TRANSFERS:
+            raise OffloadError(f"transfer must be one of {TRANSFERS}, got {self.transfer!r}: pass one of those")
         if self.flush not in ("idle", "lazy"):
             raise OffloadError(f"flush must be 'idle' or 'lazy', got {self.flush!r}: pass one of those")
         for name in ("prefetch_depth", "write_depth", "max_inflight"):
