@@ -231,6 +231,7 @@ def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(path
         "three_paths_full_cache": (dict(paths=[p / "c" for p in paths], host_cache=2 * state_bytes), "update"),
         "fused_apply": (dict(paths=[paths[0] / "d"], host_cache=state_bytes // 2), "apply"),
         "in_jit": (dict(paths=[paths[1] / "e"]), "jit"),
+        "pinned_transfer": (dict(paths=[paths[2] / "f"], transfer="pinned"), "update"),
     }
     for variant, (where, route) in variants.items():
         tx = jax_mlp.mlp_offload(_inner(), **where, **options)
