@@ -124,6 +124,7 @@ def make_offload(args: argparse.Namespace, *, resume: bool) -> jax_mlp.OffloadTr
         paths=args.paths,
         resume=resume,
         master_dtype=jnp.float32,
+        master_storage="full",  # a crashed run resumes from the tiers alone: restore_params needs whole masters
         accumulate_steps=args.accumulate,
         host_cache=args.host_cache,
         subgroup_size=args.subgroup_size,

@@ -33,7 +33,7 @@ import optax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jax_mlp import partition, peers
+from jax_mlp import partition, peers, remainders
 from jax_mlp.checkpoint_layout import (
     STATE,
     Box,
@@ -67,9 +67,14 @@ class OffloadSave(ocp.args.CheckpointArgs):
 
     Attributes:
       offload: what :func:`~jax_mlp.mlp_offload` returned (or its :class:`~jax_mlp.Offloader`), initialised.
+      params: the params at the offload's step; needed with ``master_storage="remainder"`` (the
+        default for bf16 params with fp32 masters), whose records hold only the masters' low halves:
+        the checkpoint holds the whole fp32 master, rebuilt from them. Their blocks are copied to the
+        host when the save starts, so the params may be updated (or donated) while it streams.
     """
 
     offload: OffloadTransformation | Offloader
+    params: Any = None
 
 
 @dataclasses.dataclass
@@ -109,7 +114,7 @@ class _SaveStream:
     0 creates the arrays; the others open them with the same metadata, agreed on here.
     """
 
-    def __init__(self, offloader: Offloader, pin: Pin, name: str):
+    def __init__(self, offloader: Offloader, pin: Pin, name: str, params: Any):
         self.offloader = offloader
         self.pin = pin
         plan, placement = offloader.plan, offloader.sharding
@@ -128,6 +133,7 @@ class _SaveStream:
         for k in set(range(len(plan.subgroups))) - set(self.subgroups):
             pin.mark_read(k)  # another process writes it: an update need not wait for it
         self.chunks = self._chunks(placement, name)
+        self.high_halves = _high_halves(plan, self.layout.regions, self.subgroups, params)
         self._shared: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
@@ -178,6 +184,10 @@ class _SaveStream:
 
     def _store(self, arrays: list, index: int, fetched: tuple) -> None:
         state_leaves, master_leaves = fetched
+        master_leaves = [
+            m if params is None else np.asarray(remainders.rebuild(params, m))
+            for m, params in zip(master_leaves, self.high_halves.get(index, itertools.repeat(None)), strict=False)
+        ]
         writes = []
         for region, value, write in zip(
             self.layout.regions[index], [*state_leaves, *master_leaves], self.writes[index], strict=True
@@ -220,6 +230,34 @@ class _SaveStream:
         finally:
             engine.close()
             pin.release()
+
+
+def _high_halves(
+    plan: Plan, regions: Sequence[Sequence[Region]], subgroups: Sequence[int], params: Any
+) -> dict[int, list[np.ndarray | None]]:
+    """Per subgroup of ``subgroups`` with remainder masters, each master field's param block on the host
+    (None for a whole master): the high halves that rebuild the masters a checkpoint holds."""
+    needed = {
+        k: [f.dtype == remainders.REMAINDER_DTYPE for f in plan.subgroups[k].layout.master_fields] for k in subgroups
+    }
+    needed = {k: flags for k, flags in needed.items() if any(flags)}
+    if not needed:
+        return {}
+    if params is None:
+        raise OffloadError(
+            "this mlp_offload keeps its fp32 masters as remainders (master_storage='remainder'): the params are "
+            "their high halves, so the save needs them: pass jax_mlp.OffloadSave(offload, params)"
+        )
+    leaves = check_tree(plan, params, "params", check_dtype=True)
+    halves = {}
+    for k, flags in needed.items():
+        subgroup = plan.subgroups[k]
+        masters = regions[k][len(subgroup.layout.state_fields) :]
+        halves[k] = [
+            _host_block(leaves[piece.leaf], region.box) if flag else None
+            for piece, region, flag in zip(subgroup.pieces, masters, flags, strict=True)
+        ]
+    return halves
 
 
 class _StreamedLeaf:
@@ -401,6 +439,8 @@ class _Restore:
         values = []
         for i, (region, field, read) in enumerate(zip(regions, fields, reads, strict=True)):
             value = self._master_from_params(region, subgroup.pieces[i - split].leaf) if read is None else read.result()
+            if field.dtype == remainders.REMAINDER_DTYPE and i >= split:
+                value = remainders.split(np.asarray(value, np.float32))[1]
             values.append(np.asarray(value).astype(field.dtype, copy=False))
         return values[:split], values[split:]
 
@@ -418,7 +458,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         offloader = _offloader_of(args.offload)
         pin = offloader.pin()
         try:
-            stream = _SaveStream(offloader, pin, f"jax_mlp/save/{next(_SAVES)}/{directory}")
+            stream = _SaveStream(offloader, pin, f"jax_mlp/save/{next(_SAVES)}/{directory}", args.params)
             has_master = offloader.plan.master_dtype is not None
             custom = {_METADATA_KEY: {"format": _FORMAT, "step": pin.step, "master": has_master}}
             save = ocp.args.PyTreeSave(stream.placeholders(), custom_metadata=custom)
@@ -498,6 +538,12 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         raise OffloadError(
             "this mlp_offload keeps no master params (master_dtype=None), so the tiers cannot give the params back; "
             "restore them from a checkpoint"
+        )
+    if any(f.dtype == remainders.REMAINDER_DTYPE for sg in plan.subgroups for f in sg.layout.master_fields):
+        raise OffloadError(
+            "this mlp_offload keeps its fp32 masters as remainders (master_storage='remainder'): the tiers hold "
+            "only their low halves, the params being the high halves, so they cannot give the params back; restore "
+            "the params from your checkpoint, or run with master_storage='full' to resume from the tiers alone"
         )
     likes = check_tree(plan, params_like, "params_like", check_dtype=True)
     blocks: dict[tuple[int, Box | None], np.ndarray] = {}  # by leaf and owned shard's box (None: on one device)

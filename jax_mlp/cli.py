@@ -33,7 +33,9 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(OffloadCon
 PROBE_SIZE, PROBE_RECORD, PROBE_INFLIGHT = "256MiB", "16MiB", 4
 """What ``jax-mlp probe`` moves per path, in records of what size, how many in flight; ``plan`` probes alike."""
 MASTER_BYTES = 4
-"""Bytes per param of the fp32 master copy (``--master``)."""
+"""Bytes per param of the fp32 master copy (``--master``) when stored whole."""
+REMAINDER_BYTES = 2
+"""Bytes per param of an fp32 master of bf16 params stored as its remainder (``--master-storage remainder``)."""
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 _COUNT_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -242,6 +244,13 @@ def _param_dtype(args: argparse.Namespace) -> str:
     return args.param_dtype or ("bf16" if args.master else "fp32")
 
 
+def _stored_master_bytes(args: argparse.Namespace) -> int:
+    """Bytes per param of the master in the records: none, its int16 remainder (bf16 params), or whole."""
+    if not args.master:
+        return 0
+    return REMAINDER_BYTES if args.master_storage == "remainder" and _param_dtype(args) == "bf16" else MASTER_BYTES
+
+
 def _workload(args: argparse.Namespace) -> model.Workload:
     """The run the arguments describe, refusing counts that would make it empty."""
     for flag in ("nodes", "processes_per_node", "devices_per_node", "prefetch_depth", "write_depth"):
@@ -260,7 +269,7 @@ def _workload(args: argparse.Namespace) -> model.Workload:
         param_bytes=param_bytes,
         update_bytes=MASTER_BYTES if args.master else param_bytes,
         state_bytes_per_param=args.state_bytes_per_param * quantized.stored_fraction(args.state_codec)
-        + (MASTER_BYTES if args.master else 0),
+        + _stored_master_bytes(args),
         nodes=args.nodes,
         processes_per_node=args.processes_per_node,
         devices_per_node=args.devices_per_node or args.processes_per_node,
@@ -575,7 +584,14 @@ COMMANDS: tuple[Command, ...] = (
                 help="the state as jax_mlp.quantized_state keeps it: bf16 halves it, int8 quarters it (plus a "
                 "4-byte scale per 256 values) (default: %(default)s)",
             ),
-            argument("--master", action="store_true", help="also offload an fp32 master copy (4 B per param)"),
+            argument("--master", action="store_true", help="also offload an fp32 master copy"),
+            argument(
+                "--master-storage",
+                choices=("remainder", "full"),
+                default=DEFAULTS["master_storage"],
+                help="with --master and bf16 params: the master as its 2-byte remainder, or whole (4 B) "
+                "(default: %(default)s)",
+            ),
             argument(
                 "--param-dtype",
                 choices=tuple(_DTYPE_BYTES),

@@ -331,7 +331,8 @@ class Offloader(ClosesOnExit):
           updates: the gradients, shaped as the params.
           state: the :class:`OffloadState` of the previous ``init`` or ``update``; its ``shared`` values
             (set by the user, perhaps) are what every subgroup starts from.
-          params: the params; needed by optimizers that read them, and with ``master_dtype``.
+          params: the params; needed by optimizers that read them, and with ``master_dtype`` (with
+            remainder masters they are the masters' high halves: the update starts from them).
           **extra_args: arrays passed to the inner optimizer's ``update`` (e.g. ``value=loss``), the
             same for every subgroup; a new combination is checked once (see :mod:`jax_mlp.dependence`).
 
@@ -347,13 +348,13 @@ class Offloader(ClosesOnExit):
         leaves by donation, row chunks in place), and each gradient leaf is deleted once its last
         subgroup has used it: beside params and grads, the device holds about one subgroup's state
         and the writes in flight, never a tree of updates or a second copy of the params. The result
-        is ``update`` plus ``apply_updates``: with ``master_dtype`` bitwise (the new master's cast),
+        is ``update`` plus ``apply_updates``: with ``master_dtype`` bitwise (the new master's word),
         without it within the core tolerance (XLA fuses ``p + u`` into the update's arithmetic).
 
         ``params`` and ``grads`` are consumed, as in a jitted step that donates them: do not use them
         afterwards. Should the update fail, the offloaded state stays at the previous step, but the
-        params may be partly updated: restore a checkpoint (with ``master_dtype``,
-        :func:`jax_mlp.checkpoint.restore_params` gives them back from the tiers).
+        params may be partly updated: restore a checkpoint (with ``master_dtype`` and
+        ``master_storage="full"``, :func:`jax_mlp.checkpoint.restore_params` gives them back from the tiers).
 
         Args:
           grads: the gradients, shaped as the params (after any stateless global transformation,
@@ -422,7 +423,13 @@ def _plan(inner: optax.GradientTransformationExtraArgs, config: OffloadConfig, p
     sharding = LeafSharding.of(leaves)
     check = dependence.check_optimizer(inner, params, config.master_dtype, dict(config.extra_args))
     plan = partition.make_plan(
-        params, inner, config.subgroup_size, config.master_dtype, sharding.shards, whole_leaves=check.whole_leaves
+        params,
+        inner,
+        config.subgroup_size,
+        config.master_dtype,
+        sharding.shards,
+        whole_leaves=check.whole_leaves,
+        master_storage=config.master_storage,
     )
     oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
     _warn_of(oversized, plan, config.subgroup_size)

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import optax
 
+from jax_mlp import remainders
 from jax_mlp.errors import OffloadError
 from jax_mlp.storage.record import Field, RecordLayout
 
@@ -179,6 +180,17 @@ def _abstract_pieces(plan_leaves: Sequence[LeafSpec], pieces: Sequence[Piece], d
     ]
 
 
+def _master_shapes(plan_leaves: Sequence[LeafSpec], pieces: Sequence[Piece], dtype: np.dtype, storage: str) -> list:
+    """Each piece's master field: the master dtype, or int16 remainders (see :mod:`jax_mlp.remainders`)."""
+    return [
+        jax.ShapeDtypeStruct(
+            piece_shape(plan_leaves[p.leaf], p),
+            remainders.stored_master_dtype(plan_leaves[p.leaf].dtype, dtype, storage),
+        )
+        for p in pieces
+    ]
+
+
 def _tree_nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -202,8 +214,11 @@ def _layout(state_shapes: Any, master_shapes: Sequence[Any]) -> RecordLayout:
 class _Estimator:
     """Per-piece bytes of optimizer state, from ``inner.init`` on one-piece views (shapes only)."""
 
-    def __init__(self, inner: optax.GradientTransformation, treedef: Any, specs: Sequence[LeafSpec], master_dtype):
+    def __init__(
+        self, inner: optax.GradientTransformation, treedef: Any, specs: Sequence[LeafSpec], master_dtype, storage: str
+    ):
         self._inner, self._treedef, self._specs, self._master_dtype = inner, treedef, specs, master_dtype
+        self._storage = storage
         self._base = self._state_nbytes([])
         self._by_signature: dict[tuple, int] = {}
 
@@ -219,7 +234,10 @@ class _Estimator:
         signature = (shape, spec.dtype)
         if signature not in self._by_signature:
             self._by_signature[signature] = self._state_nbytes([piece]) - self._base
-        master = math.prod(shape) * self._master_dtype.itemsize if self._master_dtype else 0
+        master = 0
+        if self._master_dtype is not None:
+            stored = remainders.stored_master_dtype(spec.dtype, self._master_dtype, self._storage)
+            master = math.prod(shape) * stored.itemsize
         return self._by_signature[signature] + master
 
 
@@ -330,6 +348,7 @@ def make_plan(
     shards: Sequence[tuple[Shard, ...] | None] | None = None,
     *,
     whole_leaves: frozenset[int] = frozenset(),
+    master_storage: str = "remainder",
 ) -> Plan:
     """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
 
@@ -345,6 +364,8 @@ def make_plan(
       whole_leaves: indices (in ``tree_leaves`` order) of leaves whose optimizer mixes their rows
         (see :func:`jax_mlp.dependence.check_optimizer`): they are never cut into row chunks, and
         one above ``subgroup_size`` is a subgroup of its own.
+      master_storage: ``"remainder"`` to store the fp32 master of bf16 leaves as int16 remainders,
+        ``"full"`` to store it whole (see :class:`~jax_mlp.config.OffloadConfig`).
 
     Returns:
       The plan, with each subgroup's record layout and a hash identifying the whole layout.
@@ -358,13 +379,13 @@ def make_plan(
     )
     shards = shards or [None] * len(specs)
     _refuse_cut_whole_leaves(specs, shards, whole_leaves)
-    estimator = _Estimator(inner, treedef, specs, master_dtype)
+    estimator = _Estimator(inner, treedef, specs, master_dtype, master_storage)
     whole = _whole_pieces(shards)
     subgroups = []
     for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size, whole_leaves)):
         state_pieces = _abstract_pieces(specs, pieces, master_dtype)
         view = view_of(treedef, len(specs), pieces, state_pieces)
         state_shapes = init_shapes(inner, view)
-        master_shapes = state_pieces if master_dtype is not None else []
+        master_shapes = [] if master_dtype is None else _master_shapes(specs, pieces, master_dtype, master_storage)
         subgroups.append(Subgroup(index, tuple(pieces), _layout(state_shapes, master_shapes)))
     return Plan(treedef, specs, tuple(subgroups), master_dtype, _hash_plan(treedef, specs, subgroups, master_dtype))

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from jax_mlp import partition
+from jax_mlp import partition, remainders
 from jax_mlp.errors import OffloadError
 from jax_mlp.partition import Piece, Plan, Subgroup
 
@@ -30,8 +30,8 @@ from jax_mlp.partition import Piece, Plan, Subgroup
 def update_dtype(plan: Plan, leaf: int) -> np.dtype:
     """The dtype a leaf's optimizer works in, and its updates come in: the master dtype, else the param's.
 
-    With a master, the update is ``m_new.astype(p.dtype) - p`` in the master dtype, so ``p + u`` is
-    exactly the new master's cast. Updates in the param's dtype would halve their bytes, but where
+    With a master, the update is ``p_new - p`` in the master dtype (:func:`remainders.landing_update`),
+    so ``p + u`` is exactly the new params ``p_new`` (the new master's bf16 word). Updates in the param's dtype would halve their bytes, but where
     a master shrinks below half of ``p`` in one step (near zero) ``p + u`` would then be several
     ulps off (0.8% of elements differing in ``tests/test_exactness.py``): the fused ``apply``
     is the lean route instead, writing the master's cast itself.
@@ -54,6 +54,7 @@ class SubgroupSpec(NamedTuple):
     state_treedef: Any
     master_dtype: np.dtype | None
     shared: tuple[int, ...]  # the position of each shared state leaf among the subgroup's state leaves
+    remainders: tuple[bool, ...]  # per piece: its master is stored as int16 remainders (jax_mlp.remainders)
 
     @classmethod
     def of(
@@ -70,6 +71,8 @@ class SubgroupSpec(NamedTuple):
             treedef,
             plan.master_dtype,
             _positions(treedef, shared_paths),
+            tuple(f.dtype == remainders.REMAINDER_DTYPE for f in subgroup.layout.master_fields)
+            or (False,) * len(pieces),
         )
 
     def view(self, values: Sequence[Any]) -> Any:
@@ -159,10 +162,29 @@ def _slice_rows(leaf: jax.Array, start: jax.Array, piece: Piece) -> jax.Array:
 def _subgroup_init(spec: SubgroupSpec, params: Sequence[jax.Array], starts: Sequence[jax.Array]) -> tuple:
     """The inner optimizer's initial state (and master params) for one subgroup."""
     pieces = [_slice_rows(x, s, p) for x, s, p in zip(params, starts, spec.pieces, strict=True)]
-    if spec.master_dtype is not None:
-        pieces = [x.astype(spec.master_dtype) for x in pieces]
-    state = spec.inner.init(spec.view(pieces))
-    return jax.tree_util.tree_leaves(state), pieces if spec.master_dtype is not None else []
+    if spec.master_dtype is None:
+        return jax.tree_util.tree_leaves(spec.inner.init(spec.view(pieces))), []
+    masters = [x.astype(spec.master_dtype) for x in pieces]
+    state = spec.inner.init(spec.view(masters))
+    return jax.tree_util.tree_leaves(state), [_stored(m, r) for m, r in zip(masters, spec.remainders, strict=True)]
+
+
+def _stored(master: jax.Array, remainder: bool) -> jax.Array:
+    """A master as its record holds it: whole, or its int16 remainder."""
+    return remainders.split(master)[1] if remainder else master
+
+
+def _masters(spec: SubgroupSpec, params: Sequence[jax.Array], stored: Sequence[jax.Array]) -> list[jax.Array]:
+    """The masters, from the record's fields and, for remainders, the params on the device (their high half)."""
+    return [remainders.rebuild(p, m) if r else m for p, m, r in zip(params, stored, spec.remainders, strict=True)]
+
+
+def _new_params(spec: SubgroupSpec, masters: Sequence[jax.Array], params: Sequence[jax.Array]) -> list[jax.Array]:
+    """The params the new masters give: the high half of a remainder's split, else the master's cast."""
+    return [
+        remainders.split(m)[0] if r else m.astype(p.dtype)
+        for m, p, r in zip(masters, params, spec.remainders, strict=True)
+    ]
 
 
 class SubgroupArgs(NamedTuple):
@@ -172,7 +194,7 @@ class SubgroupArgs(NamedTuple):
       grads: each piece's gradient block.
       starts: each piece's first row (0 for a whole piece), on the subgroup's device.
       state_leaves: the subgroup's inner state leaves, on the device.
-      master_leaves: its master param leaves (empty without a master).
+      master_leaves: its master param leaves as stored (whole, or int16 remainders; empty without a master).
       uniform: the shared state and extra arguments, on the device.
     """
 
@@ -198,8 +220,12 @@ def _inner_step(spec: SubgroupSpec, params: Sequence[jax.Array] | None, args: Su
     param dtype). ``params`` may be None (no master) when the inner optimizer needs none. The
     shared state leaves come from ``args.uniform`` in and go out as ``uniform.new_shared``.
 
+    With remainders, the master is rebuilt from the params the user holds, so it follows params
+    changed between steps (see :mod:`jax_mlp.remainders`).
+
     Returns:
-      Per piece, its update in :func:`update_dtype`; the new state leaves; the new master leaves.
+      Per piece, its update in :func:`update_dtype`; the new state leaves; the new master leaves as
+      stored; the new params (with a master; else None), which ``p + update`` lands on.
     """
     pieces = spec.pieces
     grad_pieces = [
@@ -209,7 +235,8 @@ def _inner_step(spec: SubgroupSpec, params: Sequence[jax.Array] | None, args: Su
         None if params is None else [_slice_rows(x, s, p) for x, s, p in zip(params, args.starts, pieces, strict=True)]
     )
     if spec.master_dtype is not None:
-        inner_params = spec.view(args.master_leaves)
+        masters = _masters(spec, param_pieces, args.master_leaves)
+        inner_params = spec.view(masters)
     else:
         inner_params = None if param_pieces is None else spec.view(param_pieces)
     uniform = args.uniform
@@ -217,16 +244,17 @@ def _inner_step(spec: SubgroupSpec, params: Sequence[jax.Array] | None, args: Su
     updates, new_state = spec.inner.update(spec.view(grad_pieces), state, inner_params, **uniform.extra_args)
     update_pieces = jax.tree_util.tree_leaves(updates)
     if spec.master_dtype is not None:
-        new_master = [optax.apply_updates(m, u) for m, u in zip(args.master_leaves, update_pieces, strict=True)]
-        # In fp32, p + (m_lowp - p) == m_lowp: apply_updates then yields exactly the master's cast.
+        new_master = [optax.apply_updates(m, u) for m, u in zip(masters, update_pieces, strict=True)]
+        new_params = _new_params(spec, new_master, param_pieces)
         user_updates = [
-            m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype) for m, p in zip(new_master, param_pieces, strict=True)
+            remainders.landing_update(p, n, spec.master_dtype) for p, n in zip(param_pieces, new_params, strict=True)
         ]
+        stored = [_stored(m, r) for m, r in zip(new_master, spec.remainders, strict=True)]
     else:
-        new_master = []
+        new_params, stored = None, []
         user_updates = [u.astype(d) for u, d in zip(update_pieces, spec.dtypes, strict=True)]
     new_state_leaves = _placed(jax.tree_util.tree_leaves(new_state), spec.shared, uniform.new_shared)
-    return user_updates, new_state_leaves, new_master
+    return user_updates, new_state_leaves, stored, new_params
 
 
 def _written(spec: SubgroupSpec, blocks: Sequence[Any], starts: Sequence[jax.Array], values: Sequence) -> list:
@@ -249,7 +277,7 @@ def _subgroup_update(
     Returns:
       Per piece, its update (or its updated accumulator); the new state leaves; the new master leaves.
     """
-    user_updates, new_state, new_master = _inner_step(spec, params, args)
+    user_updates, new_state, new_master, _ = _inner_step(spec, params, args)
     return _written(spec, accumulators, args.starts, user_updates), new_state, new_master
 
 
@@ -258,16 +286,16 @@ def _subgroup_apply(spec: SubgroupSpec, params: Sequence[jax.Array], args: Subgr
     """One subgroup's update applied to its params, which are donated: the new values take their buffers.
 
     A whole piece's new block replaces its param block; a row chunk's rows are written into its
-    leaf's block in place. With a master, the new params are the new master's cast (exactly what
-    ``update`` plus ``optax.apply_updates`` gives); without, ``p + u``.
+    leaf's block in place. With a master, the new params are the new master's bf16 word (what
+    ``update`` plus ``optax.apply_updates`` gives, see :func:`remainders.landing_update`); without, ``p + u``.
 
     Returns:
       Per piece, its new param block (for a row chunk, its leaf's whole block); the new state
       leaves; the new master leaves.
     """
-    user_updates, new_state, new_master = _inner_step(spec, params, args)
-    if spec.master_dtype is not None:
-        new_pieces = [m.astype(x.dtype) for m, x in zip(new_master, params, strict=True)]
+    user_updates, new_state, new_master, new_params = _inner_step(spec, params, args)
+    if new_params is not None:
+        new_pieces = new_params
     else:
         new_pieces = [
             optax.apply_updates(_slice_rows(x, s, p), u)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
 
 from jax_mlp import peers
 from jax_mlp.engine import Engine
@@ -38,6 +39,7 @@ def describe_plan(plan: Plan, subgroup_size: int) -> dict[str, Any]:
     description = {
         "leaves": [[leaf.path, list(leaf.shape), str(leaf.dtype)] for leaf in plan.leaves],
         "master_dtype": None if plan.master_dtype is None else str(plan.master_dtype),
+        "master_storage": _master_storage(plan),
         "subgroup_size": subgroup_size,
         "state_fields": [
             [
@@ -48,6 +50,14 @@ def describe_plan(plan: Plan, subgroup_size: int) -> dict[str, Any]:
         ],
     }
     return json.loads(json.dumps(description))
+
+
+def _master_storage(plan: Plan) -> str | None:
+    """How the plan's records hold masters: ``"remainder"`` if any as int16 remainders, else ``"full"``."""
+    if plan.master_dtype is None:
+        return None
+    remainder = any(f.dtype == np.int16 for sg in plan.subgroups for f in sg.layout.master_fields)
+    return "remainder" if remainder else "full"
 
 
 def run_identity(plan: Plan, subgroup_size: int) -> dict:
@@ -77,6 +87,13 @@ def _first_difference(held: dict, wanted: dict) -> str | None:
     for key in ("master_dtype", "subgroup_size"):
         if held[key] != wanted[key]:
             return f"its {key} is {held[key]}, this offload's {wanted[key]}"
+    # A run.json written before remainders existed describes full masters.
+    storage = held.get("master_storage", None if held["master_dtype"] is None else "full")
+    if storage != wanted["master_storage"]:
+        return (
+            f"its records hold {storage} masters, this offload's {wanted['master_storage']} ones: pass "
+            f"master_storage={storage!r} to resume it"
+        )
     cause = "another optimizer or sharding"
     for index, (there, here) in enumerate(zip(held["state_fields"], wanted["state_fields"], strict=False)):
         for field, (a, b) in enumerate(zip(there, here, strict=False)):

@@ -52,6 +52,19 @@ def test_ablation_benchmark_writes_json_and_png(tmp_path):
     assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bytes_per_param_benchmark_measures_every_storage_from_the_stats(tmp_path):
+    bench = load_module(ROOT / "benchmarks" / "bytes_per_param.py")
+    bench.main(["--rows", "64", "--out", str(tmp_path / "bytes.json")])
+    rows = json.loads((tmp_path / "bytes.json").read_text())["bytes_per_param"]
+    read = {(row["params"], row["codec"]): row["read_per_param"] for row in rows}
+    assert len(read) == len(bench.PARAMS) * len(bench.CODECS)
+    for codec in bench.CODECS:  # a remainder is the master's low 2 bytes of 4; headers add a little
+        full, remainder = read["bf16 + fp32 master, full", codec], read["bf16 + fp32 master, remainder", codec]
+        assert 1.99 <= full - remainder <= 2.01, (codec, full, remainder)
+    assert 10 <= read["bf16 + fp32 master, remainder", "none"] <= 10.1
+    assert all(row["written_per_param"] == row["read_per_param"] for row in rows)
+
+
 def test_gpu_script_dry_run_on_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     done = subprocess.run(

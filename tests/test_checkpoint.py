@@ -19,6 +19,7 @@ from conftest import abstract, decay_mask, grads_at, make_params, train
 from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, max_relative_deviation
 
 import jax_mlp
+from jax_mlp import remainders
 from jax_mlp.storage.paths import PathStore
 
 TESTS = Path(__file__).resolve().parent
@@ -121,22 +122,29 @@ def test_a_checkpoint_restores_in_a_new_process_bitwise_and_into_and_from_plain_
     assert moved > 100 * EXACT_BOUND, "training moved the params far more than the tolerance"
 
 
-def test_master_params_round_trip_and_restore_into_plain_optax(tmp_path, caplog):
+@pytest.mark.parametrize("storage", ["remainder", "full"])
+def test_master_params_round_trip_and_restore_into_plain_optax(storage, tmp_path, caplog):
     """With bf16 params and fp32 masters, the checkpoint holds both; plain optax continues on the masters.
 
-    The saves log no warning of orbax's about ``ArrayMetadata`` (the streamed leaves have none).
+    Remainders are saved as whole fp32 masters, rebuilt from the params given to the save, and
+    restored as remainders again: the continued run is bit for bit the uninterrupted one. The saves
+    log no warning of orbax's about ``ArrayMetadata`` (the streamed leaves have none).
     """
     params = make_params(dtype=jnp.bfloat16)
-    options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32}
+    options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32, "master_storage": storage}
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], **options)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         state = tx.init(params)
         params, state = train(tx, params, state, range(5))
+        if storage == "remainder":
+            with pytest.raises(jax_mlp.OffloadError, match=r"remainders.*OffloadSave\(offload, params\)"):
+                jax_mlp.checkpoint.OffloadCheckpointHandler().save(tmp_path / "refused", jax_mlp.OffloadSave(tx))
+        saved = jax.tree.map(jnp.copy, params)  # the save copies what it needs: these may change meanwhile
         manager.save(
-            5, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+            5, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx, saved))
         )
         offloaded, state = train(tx, params, state, range(5, 10))
-        manager.save(10, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
+        manager.save(10, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx, offloaded)))
     tx.close()
     assert "No jax.Array in TypeHandlerRegistry" not in caplog.text
 
@@ -151,7 +159,8 @@ def test_master_params_round_trip_and_restore_into_plain_optax(tmp_path, caplog)
         at_5 = manager.restore(5, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))["opt_state"]
         at_10 = manager.restore(10, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))["opt_state"]
     assert jax.tree.leaves(at_5["master"])[0].dtype == np.float32
-    assert_same_bits(jax.tree.map(lambda m: jnp.asarray(m).astype(jnp.bfloat16), at_5["master"]), restored)
+    words = (lambda m: remainders.split(m)[0]) if storage == "remainder" else (lambda m: m.astype(jnp.bfloat16))
+    assert_same_bits(jax.tree.map(lambda m: words(jnp.asarray(m)), at_5["master"]), restored)
     masters, plain_state = jax.tree.map(jnp.asarray, at_5["master"]), at_5["opt_state"]
     for step in range(5, 10):  # the same data: gradients of the bf16 params, up-cast
         grads = jax.tree.map(
@@ -177,7 +186,12 @@ def test_a_plain_checkpoint_needs_param_values_to_start_master_params(tmp_path):
         manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(params))))
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
-    assert_same_bits(jax_mlp.restore_params(tx, params), params)  # the masters started from the params
+    # The masters started from the params: their remainders are zero. Only the high halves (the
+    # params) are not in the tiers, so they cannot give the params back.
+    pin = tx.offloader.pin()
+    assert not any(np.any(m) for sg in tx.offloader.plan.subgroups for m in tx.offloader.read_pinned(pin, sg.index)[1])
+    with pytest.raises(jax_mlp.OffloadError, match=r"remainders.*master_storage='full' to resume"):
+        jax_mlp.restore_params(tx, params)
     tx.close()
 
 

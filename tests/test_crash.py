@@ -28,7 +28,8 @@ import jax_mlp
 from jax_mlp.storage.paths import open_path
 
 TESTS = Path(__file__).resolve().parent
-OPTIONS = {"subgroup_size": "32KiB", "host_cache": "80KiB", "master_dtype": jnp.float32}
+# Full masters: the tiers alone give the params back (restore_params), with no checkpoint.
+OPTIONS = {"subgroup_size": "32KiB", "host_cache": "80KiB", "master_dtype": jnp.float32, "master_storage": "full"}
 KILLED_AT = 6
 STEPS = 10
 # Where each child dies, and the step the tiers must resume at: killed inside update 6, step 6 is

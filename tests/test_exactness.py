@@ -18,6 +18,7 @@ from helpers import (
 )
 
 import jax_mlp
+from jax_mlp import remainders
 
 STEPS = 10
 SUBGROUP = "16KiB"
@@ -109,19 +110,41 @@ def test_bf16_params_with_fp32_master(paths):
     assert_bf16_within_ulp(params, expected, "offloaded against the same scheme in memory")
 
 
-def test_apply_updates_gives_exactly_the_master_cast(paths):
-    params = make_params(dtype=jnp.bfloat16)
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
-    state = tx.init(params)
-    for step in range(3):
-        updates, state = tx.update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
+def _masters_of(tx, params) -> list[np.ndarray]:
+    """The fp32 master of each leaf at the offload's step: stored whole, or rebuilt from the params' high half."""
     offloader = tx.offloader
+    leaves = jax.tree.leaves(params)
+    masters = [np.empty(x.shape, np.float32) for x in leaves]
     pin = offloader.pin()
     for subgroup in offloader.plan.subgroups:
-        _, master = offloader.read_pinned(pin, subgroup.index)
-        for piece, value in zip(subgroup.pieces, master, strict=True):
-            leaf = jax.tree.leaves(params)[piece.leaf]
-            got = np.asarray(leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]])
-            assert_same_bits(got, value.astype(jnp.bfloat16))
-    tx.close()
+        for piece, stored in zip(subgroup.pieces, offloader.read_pinned(pin, subgroup.index)[1], strict=True):
+            rows = Ellipsis if piece.rows is None else slice(*piece.rows)
+            held = leaves[piece.leaf][rows]
+            master = np.asarray(stored if stored.dtype == np.float32 else remainders.rebuild(held, stored))
+            words = remainders.split(master)[0] if stored.dtype == np.int16 else master.astype(jnp.bfloat16)
+            assert_same_bits(held, words)  # apply_updates landed on the master's bf16 word
+            masters[piece.leaf][rows] = master
+    pin.release()
+    return masters
+
+
+def test_apply_updates_gives_exactly_the_master_cast_and_remainders_rebuild_the_full_master(paths):
+    """Fed the same gradients, a full master and one rebuilt from remainders and params are the same bits.
+
+    One subgroup holds everything in both, so that both run the same program on the same view (other
+    row chunks may round the inner update differently, by an fp32 ulp).
+    """
+    start = make_params(dtype=jnp.bfloat16)
+    masters = {}
+    for storage, path in zip(("full", "remainder"), paths, strict=False):
+        tx = jax_mlp.mlp_offload(
+            optax.adam(1e-2), paths=[path], subgroup_size="1MiB", master_dtype=jnp.float32, master_storage=storage
+        )
+        state, params = tx.init(start), start
+        assert len(tx.offloader.plan.subgroups) == 1
+        for step in range(3):
+            updates, state = tx.update(grads_at(start, step), state, params)
+            params = optax.apply_updates(params, updates)
+        masters[storage] = _masters_of(tx, params)
+        tx.close()
+    assert_same_bits(masters["remainder"], masters["full"])

@@ -32,6 +32,7 @@ OPTIONS = {
     "subgroup_size": "16KiB",
     "host_cache": "40KiB",
     "master_dtype": jnp.float32,
+    "master_storage": "full",  # restore_params reads the params back from the tiers
     "placement": "round_robin",
     "rebalance": False,
 }

@@ -29,7 +29,7 @@ from jax_mlp.storage import ownership
 from jax_mlp.storage.paths import open_path
 
 TESTS = Path(__file__).resolve().parent
-OPTIONS = {"subgroup_size": "16KiB", "master_dtype": jnp.float32}
+OPTIONS = {"subgroup_size": "16KiB", "master_dtype": jnp.float32, "master_storage": "full"}  # for restore_params
 HELD_STEPS = 3
 
 # One optimizer object for the module: compiled subgroup updates are cached per object.

@@ -92,7 +92,8 @@ def test_the_defaults_are_offload_configs(tmp_path):
 def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     # 1M params with an fp32 master (12 B each) over 2 processes of one node, one device each, in
     # 1 MiB subgroups; a 4 MiB host cache per node, a path reading at 1 GB/s and writing at 500 MB/s.
-    args = ["--params", "1M", "--master", "--processes-per-node", "2", "--subgroup-size", "1MiB"]
+    args = ["--params", "1M", "--master", "--master-storage", "full", "--processes-per-node", "2"]
+    args += ["--subgroup-size", "1MiB"]
     args += ["--paths", "nvme=1GB/s:500MB/s", "--host-cache", "4MiB", "--compute-s", "0.01", "--host-memory", "8GiB"]
     out = plan(capsys, *args)
     state = 1e6 * 12 / 2  # per process
@@ -126,6 +127,13 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     update = busy + MiB / 5e8 + (idle - 0.01)  # + draining the last write + the idle I/O past the 10 ms
     assert figure(out, "update") == cli._seconds(update)
     assert figure(out, "step") == cli._seconds(0.01 + update)
+
+
+def test_a_bf16_master_is_planned_as_its_remainder_unless_stored_whole(capsys):
+    common = ["--params", "1M", "--master", "--paths", "nvme=5GB/s"]
+    assert "1e+06 params, 10 B of offloaded state each" in plan(capsys, *common)
+    assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common, "--master-storage", "full")
+    assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common, "--param-dtype", "fp16")
 
 
 def test_device_memory_matches_the_measured_ratios_of_efficiency_md():

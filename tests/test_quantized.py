@@ -185,14 +185,20 @@ SCALES = 2 * 4 / quantized.BLOCK_SIZE  # two moments, a float32 scale per block
 
 
 @pytest.mark.parametrize(
-    "dtype,master,expected",
-    [(jnp.float32, None, (8, 4, 2 + SCALES)), (jnp.bfloat16, jnp.float32, (12, 8, 6 + SCALES))],
+    "dtype,master,storage,expected",
+    [
+        (jnp.float32, None, "remainder", (8, 4, 2 + SCALES)),
+        (jnp.bfloat16, jnp.float32, "remainder", (10, 6, 4 + SCALES)),  # the master as its low 16 bits
+        (jnp.bfloat16, jnp.float32, "full", (12, 8, 6 + SCALES)),
+    ],
 )
-def test_bytes_moved_per_param_follow_the_codec(dtype, master, expected, tmp_path):
+def test_bytes_moved_per_param_follow_the_codec(dtype, master, storage, expected, tmp_path):
     params = make_params({"a": (512, 256), "b": (256, 512)}, dtype=dtype)
     inners = {"none": optax.adam(1e-3), **{c: quantized_state(optax.adam(1e-3), c) for c in quantized.CODECS}}
     for (codec, inner), bound in zip(inners.items(), expected, strict=True):
-        read, planned = _bytes_read_per_param(inner, params, tmp_path / codec, master_dtype=master)
+        read, planned = _bytes_read_per_param(
+            inner, params, tmp_path / codec, master_dtype=master, master_storage=storage
+        )
         assert bound <= planned <= bound * 1.01, (codec, planned)
         assert planned <= read <= planned * 1.01, (codec, read)  # records' headers and alignment only
 

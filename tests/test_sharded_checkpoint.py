@@ -111,8 +111,13 @@ CHILD = textwrap.dedent(
 def test_a_sharded_checkpoint_round_trips_onto_other_meshes_paths_and_subgroups(tmp_path):
     mesh = mesh_2x4()
     params = sharded(make_params(dtype=jnp.bfloat16), mesh)
+    # Full masters here, for restore_params; the restores below go into remainders.
     tx = jax_mlp.mlp_offload(
-        inner(), paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="16KiB", master_dtype=jnp.float32
+        inner(),
+        paths=[tmp_path / "a", tmp_path / "b"],
+        subgroup_size="16KiB",
+        master_dtype=jnp.float32,
+        master_storage="full",
     )
     with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
         state = tx.init(params)
@@ -178,6 +183,40 @@ def test_a_sharded_checkpoint_round_trips_onto_other_meshes_paths_and_subgroups(
         "plain sharded checkpoint into mlp_offload": (from_plain, plain),
     }
     print({what: assert_close_to_optax(*pair, what=what) for what, pair in compared.items()})
+
+
+def test_sharded_remainder_masters_save_whole_and_restore_bitwise(tmp_path):
+    """Remainder records of sharded params: the save rebuilds each block's fp32 master from that block
+    of the params, and a restore on the same plan continues bit for bit."""
+    mesh = mesh_2x4()
+    params = sharded(make_params(dtype=jnp.bfloat16), mesh)
+    options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32}
+    tx = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "a", tmp_path / "b"], **options)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        params, state = train(tx, params, tx.init(params), range(3))
+        assert any(f.dtype == np.int16 for sg in tx.offloader.plan.subgroups for f in sg.layout.master_fields)
+        manager.save(
+            3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx, params))
+        )
+        at_6, _ = train(tx, params, state, range(3, 6))
+    tx.close()
+    like = like_on(mesh, params)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        layout = jax_mlp.standard_layout(inner(), like, jnp.float32)
+        masters = manager.restore(3, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))
+    words = jax.tree.map(lambda m: jax_mlp.remainders.split(jnp.asarray(m))[0], masters["opt_state"]["master"])
+    assert_same_bits(words, params, "the saved masters' high halves are the params")
+    resumed = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "c"], **options)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        restored = manager.restore(
+            3,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(resumed, like)
+            ),
+        )
+    continued, _ = train(resumed, restored["params"], restored["opt_state"], range(3, 6))
+    resumed.close()
+    assert_same_bits(continued, at_6, "restored remainders continue bit for bit")
 
 
 def test_a_chunk_never_spans_two_blocks_and_follows_the_row_chunks_where_they_leave_it_large():
