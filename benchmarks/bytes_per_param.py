@@ -1,7 +1,7 @@
 """Bytes moved per param by one adam update, read from the stats, for each way of storing the state.
 
-Rows: fp32 params; bf16 params with fp32 masters stored whole (``master_storage="full"``) or as
-their low 16 bits (``"remainder"``, the default); each with adam's moments exact, in bf16 and in
+Rows: fp32 params; bf16 params with fp32 masters stored whole (``master_storage="full"``, the default) or as
+their low 16 bits (``"remainder"``); each with adam's moments exact, in bf16 and in
 int8 (``quantized_state``). With no host cache every record is read and written once per update, so
 the figures are the bytes a disk must move per param: what bounds an update that waits on I/O.
 

@@ -239,12 +239,7 @@ def make_offload(args: argparse.Namespace, paths: list[str], host_cache: int) ->
         paths=paths,
         host_cache=host_cache,
         subgroup_size=args.subgroup_size,
-        master_dtype=jnp.float32,
-        # Whole masters (12 B of state per param), as this example's sizes and RSS figures assume.
-        # Remainder masters (the default, 10 B) leave the offloader's RSS about as it is (measured
-        # 191-234 MiB against 222-231 MiB for these params and cache), so against their 1/6 smaller
-        # state it comes out near half of it.
-        master_storage="full",
+        master_dtype=jnp.float32,  # stored whole (12 B of state per param), as this example's sizes assume
     )
 
 

@@ -245,10 +245,11 @@ class OffloadConfig:
       write_depth: subgroups whose writes may trail behind the update.
       master_dtype: if set (e.g. ``jnp.float32``), an fp32 master copy of low-precision params is kept
         in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly the new master's bf16 word.
-      master_storage: how records hold the fp32 master of bf16 params: ``"remainder"`` (the default)
-        keeps only its low 16 bits, the params on the device being the high half (2 bytes per param,
-        not 4); ``"full"`` keeps the whole master, so the tiers alone give the params back after a
-        crash (``restore_params``). Other dtypes always keep the whole master.
+      master_storage: how records hold the fp32 master of bf16 params: ``"full"`` (the default) keeps
+        the whole master, so the tiers alone give the params back after a crash (``restore_params``);
+        ``"remainder"`` keeps only its low 16 bits, the params on the device being the high half (2 bytes
+        per param, not 4): a crashed run then resumes from your last checkpoint. Other dtypes always keep
+        the whole master.
       io_timeout: seconds a single record read or write may take before the update fails.
       store_timeout: on an object store (a kvstore path), the seconds of retries, with exponential backoff,
         after a request fails for a transient reason (a 5xx reply, a refused or reset connection) before the
@@ -288,7 +289,7 @@ class OffloadConfig:
     prefetch_depth: int = 2
     write_depth: int = 2
     master_dtype: Any = None
-    master_storage: str = "remainder"
+    master_storage: str = "full"
     io_timeout: float = 600.0
     store_timeout: float = 30.0
     peer_timeout: float = 600.0

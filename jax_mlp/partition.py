@@ -348,7 +348,7 @@ def make_plan(
     shards: Sequence[tuple[Shard, ...] | None] | None = None,
     *,
     whole_leaves: frozenset[int] = frozenset(),
-    master_storage: str = "remainder",
+    master_storage: str = "full",
 ) -> Plan:
     """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
 

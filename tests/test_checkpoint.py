@@ -178,7 +178,7 @@ def test_a_plain_checkpoint_needs_param_values_to_start_master_params(tmp_path):
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         manager.save(0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(plain)))
     options = {"paths": [tmp_path / "a"], "subgroup_size": "16KiB", "master_dtype": jnp.float32}
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), **options)
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), master_storage="remainder", **options)
     with (
         pytest.raises(jax_mlp.OffloadError, match=r"has no master params.*pass the params' values"),
         ocp.CheckpointManager(tmp_path / "ckpt") as manager,

@@ -129,11 +129,12 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     assert figure(out, "step") == cli._seconds(0.01 + update)
 
 
-def test_a_bf16_master_is_planned_as_its_remainder_unless_stored_whole(capsys):
+def test_a_bf16_master_is_planned_whole_unless_stored_as_its_remainder(capsys):
     common = ["--params", "1M", "--master", "--paths", "nvme=5GB/s"]
-    assert "1e+06 params, 10 B of offloaded state each" in plan(capsys, *common)
-    assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common, "--master-storage", "full")
-    assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common, "--param-dtype", "fp16")
+    assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common)
+    assert "1e+06 params, 10 B of offloaded state each" in plan(capsys, *common, "--master-storage", "remainder")
+    remainder_fp16 = ("--master-storage", "remainder", "--param-dtype", "fp16")
+    assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common, *remainder_fp16)
 
 
 def test_device_memory_matches_the_measured_ratios_of_efficiency_md():

@@ -214,13 +214,13 @@ def _stored_masters(tx) -> list[np.ndarray]:
 
 def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(paths):
     params = make_params(dtype=jnp.bfloat16)
-    options = dict(subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+    options = dict(subgroup_size=SUBGROUP, master_dtype=jnp.float32, master_storage="remainder")
     tx = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "a"], **options)
     reference, _ = _train(tx, params, range(STEPS))
     state_bytes = tx.offloader.plan.state_nbytes
     assert all(m.dtype == np.int16 for m in _stored_masters(tx))
     tx.close()
-    full = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "full"], master_storage="full", **options)
+    full = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "full"], **{**options, "master_storage": "full"})
     full.init(params)
     assert full.offloader.plan.state_nbytes > 1.1 * state_bytes  # adam's 8 B + 4 B, against 8 B + 2 B
     assert all(m.dtype == np.float32 for m in _stored_masters(full))
@@ -296,7 +296,7 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     reference_state = inner.init(master)
     reference_update = jax.jit(inner.update)
-    options = dict(subgroup_size="8KiB", host_cache="16KiB", master_dtype=jnp.float32)
+    options = dict(subgroup_size="8KiB", host_cache="16KiB", master_dtype=jnp.float32, master_storage="remainder")
     by_update = jax_mlp.mlp_offload(inner, paths=[tmp_path / "update"], **options)
     by_apply = jax_mlp.mlp_offload(inner, paths=[tmp_path / "apply"], **options)
     update_state, apply_state = by_update.init(params), by_apply.init(params)
@@ -331,7 +331,7 @@ def test_tiers_of_full_masters_resume_as_full_and_are_refused_as_remainders(path
     ``master_storage="full"``; resuming them as remainders names that difference."""
     params = make_params(dtype=jnp.bfloat16)
     options = dict(paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
-    tx = jax_mlp.mlp_offload(_inner(), master_storage="full", **options)
+    tx = jax_mlp.mlp_offload(_inner(), **options)  # whole masters, the default
     expected, _ = _train(tx, params, range(3))
     tx.close()
     run_json = paths[0] / "proc0000" / "run.json"
@@ -339,8 +339,8 @@ def test_tiers_of_full_masters_resume_as_full_and_are_refused_as_remainders(path
     assert identity["plan"].pop("master_storage") == "full"
     run_json.write_text(json.dumps(identity))  # as the format before remainders wrote it
     with pytest.raises(jax_mlp.RecordError, match=r"full masters, this offload's remainder.*master_storage='full'"):
-        jax_mlp.mlp_offload(_inner(), resume=True, **options).init(params)
-    tx = jax_mlp.mlp_offload(_inner(), resume=True, master_storage="full", **options)
+        jax_mlp.mlp_offload(_inner(), resume=True, master_storage="remainder", **options).init(params)
+    tx = jax_mlp.mlp_offload(_inner(), resume=True, **options)
     state = tx.init(params)
     assert int(state.step) == 3
     assert_same_bits(jax_mlp.restore_params(tx, params), expected)
