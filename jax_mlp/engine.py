@@ -66,12 +66,14 @@ class Engine:
         fetch: Callable[[int], Any],
         compute: Callable[[int, Any], Any],
         store: Callable[[int, Any], None],
+        describe: Callable[[int], str] = "subgroup {}".format,
     ) -> Timings:
         """Runs ``store(k, compute(k, fetch(k)))`` for each ``k`` in ``order``, pipelined.
 
         ``fetch`` runs on reader threads up to ``prefetch_depth`` ahead, ``compute`` on this thread
         in order, and ``store`` on writer threads with at most ``write_depth`` in flight. All stores
-        have finished when ``run`` returns.
+        have finished when ``run`` returns. ``describe(k)`` names ``k`` (and where it lives) in a
+        timeout's message.
 
         Returns:
           The time spent waiting on reads, computing, and waiting on writes.
@@ -86,13 +88,13 @@ class Engine:
         try:
             for key, future in reads:
                 t0 = time.perf_counter()
-                fetched = self.result(future, f"reading subgroup {key}")
+                fetched = self.result(future, f"reading {describe(key)}")
                 del future  # it holds the fetched fields too, which must go with ``fetched``
                 t1 = time.perf_counter()
                 computed = compute(key, fetched)
                 del fetched
                 t2 = time.perf_counter()
-                self._drain(writes, self.write_depth - 1)
+                self._drain(writes, self.write_depth - 1, describe)
                 t3 = time.perf_counter()
                 writes.append((key, self._writers.submit(store, key, computed)))
                 del computed
@@ -100,18 +102,18 @@ class Engine:
                 compute_time += t2 - t1
                 write_wait += t3 - t2
             t4 = time.perf_counter()
-            self._drain(writes, 0)
+            self._drain(writes, 0, describe)
             write_wait += time.perf_counter() - t4
         except BaseException:
             self.settle([f for _, f in reads.pending] + [f for _, f in writes])
             raise
         return Timings(time.perf_counter() - start, read_wait, compute_time, write_wait)
 
-    def _drain(self, writes: collections.deque, keep: int) -> None:
+    def _drain(self, writes: collections.deque, keep: int, describe: Callable[[int], str]) -> None:
         """Waits for the oldest stores until at most ``keep`` are in flight."""
         while len(writes) > keep:
             key, future = writes.popleft()
-            self.result(future, f"storing subgroup {key}")
+            self.result(future, f"storing {describe(key)}")
 
     def read_ahead(self, fetch: Callable[[int], Any], key: int) -> concurrent.futures.Future:
         """Runs ``fetch(key)`` on a reader thread now, for a later :meth:`run` to collect (idle-time reads)."""

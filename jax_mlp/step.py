@@ -236,11 +236,12 @@ class StateStream:
           Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
         """
         step = transaction.step
+        describe = self._describer(transaction)
 
         def fetch(index: int) -> Any:
             early = transaction.ahead.take(index)
             if early is not None:
-                fields = self.engine.result(early, f"reading subgroup {index} ahead")
+                fields = self.engine.result(early, f"reading {describe(index)} ahead")
             else:
                 fields = fetch_counted(self.tiers, self.counters, index, step)
             return self.transfer.to_device(fields, blocks.devices[index]) if route.put_on_reader else fields
@@ -256,8 +257,21 @@ class StateStream:
 
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
-        timings = self.engine.run(order, fetch, compute, self._storer(step + 1, transaction.placement))
+        store = self._storer(step + 1, transaction.placement)
+        timings = self.engine.run(order, fetch, compute, store, describe)
         return results.result(), timings, compiles_on_this_thread() - compiles
+
+    def _describer(self, transaction: Transaction) -> Callable[[int], str]:
+        """Names a subgroup and the paths it is read from and written to, for a hung transfer's message."""
+        roots = [path.root for path in self.tiers.paths]
+
+        def describe(index: int) -> str:
+            source = transaction.locations.paths.get(index)
+            target = roots[transaction.placement[index]]
+            read = "" if source is None or roots[source] == target else f"read from {roots[source]}, "
+            return f"subgroup {index} ({read}on {target})"
+
+        return describe
 
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
