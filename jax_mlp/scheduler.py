@@ -6,24 +6,36 @@
 * **Placement.** Subgroups are spread over the paths in the shares of :func:`model.best_split`,
   interleaved in update order (a smooth weighted round robin by bytes), so consecutive reads hit
   different paths at once. ``"round_robin"`` splits them equally, like a fixed ratio.
-* **Rebalancing.** After each update the scheduler measures each path's throughput (bytes moved
-  over busy time), keeps an exponential average that resets on a large change, and recomputes the
-  split when the paths' busy times drift apart, moving as few subgroups as that takes. A moved
-  subgroup is written to its new path at its next write-back, which happens every step anyway, so
-  a move costs no extra I/O.
+* **Rebalancing.** After each update every path reports its bytes and busy time per direction
+  (:class:`~jax_mlp.storage.traffic.Usage`). :class:`PathEstimate` keeps the median of each
+  direction's rate over the last updates, so a burst after idle time or one odd update does not
+  move it, and how far the two directions get in each other's way. From these the scheduler
+  predicts the next updates: the records the host cache serves are not read, and a moved record is
+  still read from its old path in the update that moves it. It moves subgroups only when the
+  predicted gain is above a tenth of the update and above the extra time of the moving update, and
+  a moved subgroup stays put for a few updates, so the placement settles instead of swinging. A
+  moved subgroup is written to its new path at its next write-back, which happens every step anyway:
+  a move costs no extra bytes.
 """
 
 from __future__ import annotations
 
+import collections
+import statistics
 from collections.abc import Sequence
 
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
 from jax_mlp.storage.traffic import Usage
 
-_SMOOTHING = 0.5
-_RESET_RATIO = 1.5
-_MIN_SHARE_CHANGE = 0.05
+WINDOW = 5
+"""Updates whose measurements a path's estimate takes the median of."""
+MIN_SAMPLES = 3
+"""Measurements of each direction a path needs before the split follows them."""
+MIN_GAIN = 0.10
+"""Fraction of the predicted update a new placement must save before subgroups move."""
+HOLD = 4
+"""Updates a moved subgroup stays on the path it was moved to."""
 
 
 def weighted_interleave(record_bytes: Sequence[int], shares: Sequence[float]) -> list[int]:
@@ -39,15 +51,24 @@ def weighted_interleave(record_bytes: Sequence[int], shares: Sequence[float]) ->
     return placement
 
 
-def shift_placement(placement: Sequence[int], record_bytes: Sequence[int], shares: Sequence[float]) -> list[int]:
-    """Moves as few records as it takes to reach ``shares``, spread evenly along the update order."""
+def shift_placement(
+    placement: Sequence[int],
+    record_bytes: Sequence[int],
+    shares: Sequence[float],
+    movable: Sequence[bool] | None = None,
+) -> list[int]:
+    """Moves as few records as it takes to reach ``shares``, spread evenly along the update order.
+
+    Only records whose ``movable`` is true move (all, by default).
+    """
     placement = list(placement)
+    movable = movable or [True] * len(placement)
     total = sum(record_bytes)
     deficit = [share * total for share in shares]
     for index, nbytes in zip(placement, record_bytes, strict=True):
         deficit[index] -= nbytes
     for source in range(len(shares)):
-        mine = [k for k, p in enumerate(placement) if p == source]
+        mine = [k for k, p in enumerate(placement) if p == source and movable[k]]
         if deficit[source] >= 0 or not mine:
             continue
         count = min(len(mine), round(-deficit[source] / (sum(record_bytes[k] for k in mine) / len(mine))))
@@ -62,6 +83,73 @@ def shift_placement(placement: Sequence[int], record_bytes: Sequence[int], share
     return placement
 
 
+class PathEstimate:
+    """A path's bandwidth per direction, learned from its usage as the median of the last ``WINDOW`` updates.
+
+    Each update gives one rate per direction it used (bytes over that direction's busy time) and,
+    when it used both, how far they serialised: 0 when the union of their busy times is the larger
+    of the two (full duplex), 1 when it is their sum (one pipe).
+
+    Args:
+      start: the declared, probed or assumed speed, used until a direction has been measured.
+    """
+
+    def __init__(self, start: PathSpeed):
+        self.start = start
+        self.rates = {kind: collections.deque(maxlen=WINDOW) for kind in ("read", "write", "serial")}
+
+    def add(self, usage: Usage) -> None:
+        """Takes in one update's usage of the path."""
+        read, write = usage.read_busy_seconds, usage.write_busy_seconds
+        if usage.bytes_read and read > 0:
+            self.rates["read"].append(usage.bytes_read / read)
+        if usage.bytes_written and write > 0:
+            self.rates["write"].append(usage.bytes_written / write)
+        if read > 0 and write > 0:
+            overlap = (usage.busy_seconds - max(read, write)) / min(read, write)
+            self.rates["serial"].append(min(1.0, max(0.0, overlap)))
+
+    def measured(self, kind: str) -> bool:
+        """Whether ``kind`` (read or write) has enough measurements to be trusted."""
+        return len(self.rates[kind]) >= MIN_SAMPLES
+
+    @property
+    def speed(self) -> PathSpeed:
+        """The estimate: each measured direction's median rate, else the starting one."""
+        read, write, serial = (statistics.median(self.rates[k]) if self.rates[k] else None for k in self.rates)
+        return PathSpeed(
+            self.start.name,
+            read or self.start.read_bandwidth,
+            write or self.start.write_bandwidth,
+            self.start.serial if serial is None else serial,
+        )
+
+
+class Loads:
+    """The bytes each record adds to its path during an update, averaged over the next two steps' orders.
+
+    Args:
+      read: bytes each record is read for during an update (0 when the host cache serves it).
+      write: bytes each record is written for during an update (0 when written back in idle time).
+    """
+
+    def __init__(self, read: Sequence[float], write: Sequence[float]):
+        self.read, self.write = list(read), list(write)
+
+    def seconds(self, speeds: Sequence[PathSpeed], read_from: Sequence[int], write_to: Sequence[int]) -> float:
+        """The slowest path's busy time, records read from ``read_from`` and written to ``write_to``."""
+        read, write = [0.0] * len(speeds), [0.0] * len(speeds)
+        for k, (source, target) in enumerate(zip(read_from, write_to, strict=True)):
+            read[source] += self.read[k]
+            write[target] += self.write[k]
+        return max(speed.seconds(r, w) for speed, r, w in zip(speeds, read, write, strict=True))
+
+    def shares(self, speeds: Sequence[PathSpeed]) -> tuple[float, ...]:
+        """Shares of the records per path that make all paths finish together (their time is linear in the share)."""
+        rates = [1 / speed.seconds(sum(self.read), sum(self.write)) for speed in speeds]
+        return tuple(rate / sum(rates) for rate in rates)
+
+
 class Scheduler:
     """Order, placement and rebalancing for one plan.
 
@@ -71,7 +159,6 @@ class Scheduler:
       order: ``"alternate"`` or ``"ascending"``.
       placement: ``"bandwidth"`` (split by the model, rebalanced) or ``"round_robin"`` (equal, fixed).
       rebalance: whether the split follows measured throughput.
-      tolerance: relative drift of the paths' busy times that triggers a new split.
     """
 
     def __init__(
@@ -82,51 +169,90 @@ class Scheduler:
         order: str = "alternate",
         placement: str = "bandwidth",
         rebalance: bool = True,
-        tolerance: float = 0.15,
     ):
         self.record_bytes = list(record_bytes)
-        self.speeds = list(speeds)
+        self.estimates = [PathEstimate(speed) for speed in speeds]
         self.order_kind = order
         self.balanced = placement == "bandwidth"
         self.rebalance = rebalance and self.balanced
-        self.tolerance = tolerance
-        self.shares = self._target_shares()
+        self.shares = model.best_split(speeds) if self.balanced else tuple(1 / len(speeds) for _ in speeds)
         self.placement = weighted_interleave(self.record_bytes, self.shares)
         self.moves = 0
+        self.last_moves = 0
+        self.updates = 0
+        self._moved_at = [-HOLD] * len(self.record_bytes)
 
-    def _target_shares(self) -> tuple[float, ...]:
-        if self.balanced:
-            return model.best_split(self.speeds)
-        return tuple(1 / len(self.speeds) for _ in self.speeds)
+    @property
+    def speeds(self) -> list[PathSpeed]:
+        """Each path's current estimate."""
+        return [estimate.speed for estimate in self.estimates]
 
     def order(self, step: int) -> list[int]:
         """The order in which step ``step`` updates the subgroups."""
         ascending = list(range(len(self.record_bytes)))
         return ascending[::-1] if self.order_kind == "alternate" and step % 2 else ascending
 
-    def observe(self, usages: Sequence[Usage]) -> None:
-        """Learns from what each path moved since the last call, and moves subgroups if the split changed.
+    def loads(self, cache_bytes: int) -> Loads:
+        """What each record adds to its path's busy time in an update, with a host cache of ``cache_bytes``.
 
-        A path's throughput is its bytes over its busy time, with writes weighted by the current
-        read/write bandwidth ratio, so one busy timeline updates both of its bandwidths.
+        In each step's order the records that fit in the cache are the ones the previous step
+        updated last: with the alternating order they are its first, served from the cache; with
+        the ascending order they are evicted before they are reached. Records evicted during the
+        update (all but the last that fit) are written during it; the rest in the idle time after.
         """
-        busy = []
-        for index, usage in enumerate(usages):
-            speed = self.speeds[index]
-            if usage.busy_seconds <= 0 or usage.bytes_read + usage.bytes_written == 0:
+        read, write = [0.0] * len(self.record_bytes), [0.0] * len(self.record_bytes)
+        for step in (0, 1):
+            order = self.order(step)
+            cached = _fitting(order, self.record_bytes, cache_bytes)
+            if cached == len(order):
                 continue
-            ratio = speed.read_bandwidth / speed.write_bandwidth
-            measured = (usage.bytes_read + ratio * usage.bytes_written) / usage.busy_seconds
-            previous = speed.read_bandwidth
-            change = max(measured, previous) / min(measured, previous)
-            estimate = measured if change > _RESET_RATIO else _SMOOTHING * measured + (1 - _SMOOTHING) * previous
-            self.speeds[index] = speed._replace(read_bandwidth=estimate, write_bandwidth=estimate / ratio)
-            busy.append(usage.busy_seconds)
-        if not self.rebalance or len(busy) < 2 or max(busy) <= (1 + self.tolerance) * min(busy):
+            for k in order[cached if self.order_kind == "alternate" else 0 :]:
+                read[k] += self.record_bytes[k] / 2
+            for k in order[: len(order) - cached]:
+                write[k] += self.record_bytes[k] / 2
+        return Loads(read, write)
+
+    def observe(self, usages: Sequence[Usage], cache_bytes: int = 0) -> None:
+        """Learns from what each path moved since the last call, and moves subgroups if that pays.
+
+        Args:
+          usages: each path's usage since the last call, in path order.
+          cache_bytes: the host cache, whose records the next updates do not read.
+        """
+        for estimate, usage in zip(self.estimates, usages, strict=True):
+            estimate.add(usage)
+        self.updates += 1
+        self.last_moves = 0
+        loads = self.loads(cache_bytes)
+        if not self.rebalance or not self._measured(loads):
             return
-        shares = self._target_shares()
-        if max(abs(a - b) for a, b in zip(shares, self.shares, strict=True)) < _MIN_SHARE_CHANGE:
+        speeds = self.speeds
+        shares = loads.shares(speeds)
+        movable = [self.updates - moved >= HOLD for moved in self._moved_at]
+        placement = shift_placement(self.placement, self.record_bytes, shares, movable)
+        now = loads.seconds(speeds, self.placement, self.placement)
+        gain = now - loads.seconds(speeds, placement, placement)
+        moving = loads.seconds(speeds, self.placement, placement) - now  # reads still from the old paths
+        if gain <= MIN_GAIN * now or gain <= moving:
             return
-        placement = shift_placement(self.placement, self.record_bytes, shares)
-        self.moves += sum(a != b for a, b in zip(placement, self.placement, strict=True))
+        moved = [k for k, (a, b) in enumerate(zip(self.placement, placement, strict=True)) if a != b]
+        for k in moved:
+            self._moved_at[k] = self.updates
+        self.last_moves = len(moved)
+        self.moves += len(moved)
         self.shares, self.placement = shares, placement
+
+    def _measured(self, loads: Loads) -> bool:
+        """Whether every path has enough measurements of each direction the updates use."""
+        kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
+        return bool(kinds) and all(estimate.measured(kind) for estimate in self.estimates for kind in kinds)
+
+
+def _fitting(order: Sequence[int], record_bytes: Sequence[int], cache_bytes: int) -> int:
+    """How many of the first records of ``order`` fit in ``cache_bytes`` together."""
+    total = 0
+    for count, k in enumerate(order):
+        total += record_bytes[k]
+        if total > cache_bytes:
+            return count
+    return len(order)

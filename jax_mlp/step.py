@@ -300,7 +300,7 @@ class StateStream:
         ``notes`` are further fields of its stats (those of the optimizer check, for an init).
         """
         self._total_compiles += compiles
-        self.scheduler.observe([path.traffic.take_usage() for path in self.tiers.paths])
+        self.scheduler.observe([path.traffic.take_usage() for path in self.tiers.paths], self.config.host_cache)
         stats = update_stats(
             step,
             timings,
@@ -311,6 +311,7 @@ class StateStream:
             self.tiers.locations.paths,
             [path.root for path in self.tiers.paths],
             self.scheduler.speeds,
+            self.scheduler.last_moves,
         )
         self.last_stats = stats._replace(**notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update

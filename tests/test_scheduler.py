@@ -17,7 +17,7 @@ from conftest import assert_same_bits, grads_at, make_params, run_offload, tmpfs
 import jax_mlp
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
-from jax_mlp.scheduler import Scheduler, weighted_interleave
+from jax_mlp.scheduler import MIN_SAMPLES, WINDOW, Scheduler, weighted_interleave
 from jax_mlp.stats import format_bytes
 from jax_mlp.storage import capacity
 from jax_mlp.storage.probe import probe
@@ -53,13 +53,15 @@ def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():
     scheduler = Scheduler([1000] * 40, [PathSpeed("a", 1e8, 1e8), PathSpeed("b", 1e8, 1e8)])
     assert scheduler.shares == (0.5, 0.5)
     before = scheduler.placement.count(0)
-    # Path b moved as many bytes as a but was busy four times longer: it is four times slower.
-    scheduler.observe([Usage(20_000, 20_000, 1.0), Usage(20_000, 20_000, 4.0)])
+    # Path b moved as many bytes as a but was busy four times longer in each direction: it is four times slower.
+    for _ in range(MIN_SAMPLES):
+        scheduler.observe([Usage(20_000, 20_000, 1.0, 1.0, 1.0), Usage(20_000, 20_000, 4.0, 4.0, 4.0)])
     assert scheduler.shares[0] == pytest.approx(0.8, abs=0.01)
     after = scheduler.placement.count(0)
-    assert after > before and scheduler.moves == after - before
+    assert after > before and scheduler.moves == scheduler.last_moves == after - before
     placement = list(scheduler.placement)
-    scheduler.observe([Usage(32_000, 32_000, 1.0), Usage(8_000, 8_000, 1.0)])
+    for _ in range(2 * WINDOW):
+        scheduler.observe([Usage(32_000, 32_000, 1.0, 1.0, 1.0), Usage(8_000, 8_000, 1.0, 1.0, 1.0)])
     assert scheduler.placement == placement and scheduler.moves == after - before, "balanced: no move"
 
 

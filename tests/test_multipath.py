@@ -1,0 +1,186 @@
+"""Multi-path placement against devices that behave like real ones: per-direction throttles, bursts after idle.
+
+The scheduler is driven by a simulated device model (no clock), and the harness of real throttled
+devices (``benchmarks/devices.py``) is checked to throttle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import pathlib
+import sys
+import time
+from typing import NamedTuple
+
+import pytest
+
+from jax_mlp.model import PathSpeed
+from jax_mlp.scheduler import HOLD, PathEstimate, Scheduler, weighted_interleave
+from jax_mlp.storage.traffic import Traffic, Usage
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import devices
+
+MB = 1e6
+RECORD = 8 * 2**20
+RECORDS = 32  # 256 MiB of state
+CACHE = 8 * RECORD  # 64 MiB of host cache
+
+
+class Device(NamedTuple):
+    """A full-duplex device throttled per direction; after a long idle time the first ``burst`` bytes go at 3x the rate."""
+
+    read_rate: float
+    write_rate: float
+    burst: float = 32 * 2**20
+
+    def seconds(self, nbytes: float, rate: float, rested: bool) -> float:
+        fast = min(nbytes, self.burst if rested else 0)
+        return fast / (3 * rate) + (nbytes - fast) / rate
+
+
+NVME, PFS = Device(300 * MB, 300 * MB), Device(100 * MB, 100 * MB)
+
+
+class Simulation:
+    """Updates of the alternating order with a host cache on simulated devices, fed to a scheduler.
+
+    Reads come from where each record is stored (a moved record from its old path); writes go to the
+    scheduler's placement. Records left in the cache are written back in the idle time after the
+    update, which the paths' meters count in the next update's usage. Every third update follows a
+    long idle time (an evaluation, a checkpoint), so the devices let a burst through.
+    """
+
+    def __init__(self, scheduler: Scheduler, paths: tuple[Device, ...]):
+        self.scheduler = scheduler
+        self.paths = paths
+        self.stored = list(scheduler.placement)
+        self.idle_writes = [0.0] * len(paths)
+        self.step = 0
+
+    def update(self) -> float:
+        """Runs one update; returns its I/O time (the slowest path's) and feeds the scheduler."""
+        order = self.scheduler.order(self.step)
+        cached = CACHE // RECORD
+        placement = list(self.scheduler.placement)
+        read, write = [0.0] * len(self.paths), [0.0] * len(self.paths)
+        for k in order[cached:]:
+            read[self.stored[k]] += RECORD
+        for k in order[: len(order) - cached]:
+            write[placement[k]] += RECORD
+        usages, seconds, rested = [], 0.0, self.step % 3 == 0
+        for i, device in enumerate(self.paths):
+            reading = device.seconds(read[i], device.read_rate, rested)
+            writing = device.seconds(write[i], device.write_rate, rested)
+            idle = self.idle_writes[i] / device.write_rate
+            seconds = max(seconds, reading, writing)
+            usages.append(
+                Usage(
+                    int(read[i]),
+                    int(write[i] + self.idle_writes[i]),
+                    max(reading, writing) + idle,
+                    reading,
+                    writing + idle,
+                )
+            )
+        self.idle_writes = [0.0] * len(self.paths)
+        for k in order[len(order) - cached :]:
+            self.idle_writes[placement[k]] += RECORD
+        self.stored = placement
+        self.scheduler.observe(usages, CACHE)
+        self.step += 1
+        return seconds
+
+
+def best_update(paths: tuple[Device, ...]) -> tuple[float, float]:
+    """The fast path's share and the update time of the best interleaved split, by trying every split."""
+    results = []
+    for on_fast in range(RECORDS + 1):
+        scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1, 1), PathSpeed("b", 1, 1)], rebalance=False)
+        scheduler.placement = weighted_interleave([RECORD] * RECORDS, [on_fast / RECORDS, 1 - on_fast / RECORDS])
+        simulation = Simulation(scheduler, paths)
+        times = [simulation.update() for _ in range(7)]
+        results.append((sum(times[1:]) / 6, on_fast / RECORDS))
+    seconds, share = min(results)
+    return share, seconds
+
+
+@pytest.mark.parametrize("paths", [(NVME, PFS), (PFS, NVME), (NVME, NVME)], ids=["fast-slow", "slow-fast", "equal"])
+def test_placement_converges_without_moving_back_on_full_duplex_bursty_devices(paths):
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    simulation = Simulation(scheduler, paths)
+    history = [list(scheduler.placement)]
+    moves, times = [], []
+    for _ in range(20):
+        times.append(simulation.update())
+        moves.append(scheduler.last_moves)
+        history.append(list(scheduler.placement))
+    assert sum(moves[8:]) == 0, f"still moving: {moves}"
+    for k in range(RECORDS):
+        visited = [placement[k] for placement in history]
+        changes = sum(a != b for a, b in itertools.pairwise(visited))
+        assert changes <= 1, f"subgroup {k} moved more than once (back and forth): {visited}"
+    best_share, best_seconds = best_update(paths)
+    share = scheduler.placement.count(0) / RECORDS
+    assert abs(share - best_share) <= 0.1 * max(best_share, 1 - best_share), (share, best_share)
+    assert sum(times[-6:]) / 6 <= 1.1 * best_seconds
+
+
+def test_estimates_follow_each_direction_and_ignore_one_burst():
+    estimate = PathEstimate(PathSpeed("p", 1e9, 1e9))
+    for _ in range(4):
+        estimate.add(Usage(100, 300, 3.0, 1.0, 3.0))  # full duplex: the union is the longer direction
+    estimate.add(Usage(100, 300, 1.0, 1 / 3, 1.0))  # one update at 3x after a long idle time
+    assert estimate.speed == PathSpeed("p", 100.0, 100.0, 0.0)
+    pipe = PathEstimate(PathSpeed("p", 1e9, 1e9))
+    pipe.add(Usage(100, 100, 2.0, 1.0, 1.0))  # one pipe: the directions take turns
+    assert pipe.speed.serial == 1.0 and pipe.speed.seconds(100, 100) == 2.0
+
+
+def test_a_moved_subgroup_stays_put_while_held():
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    fast, slow = Usage(RECORD, RECORD, 0.1, 0.1, 0.1), Usage(RECORD, RECORD, 0.4, 0.4, 0.4)
+    for _ in range(3):
+        scheduler.observe([fast, slow])
+    moved = {k for k, p in enumerate(scheduler.placement) if p == 0} - {k for k in range(RECORDS) if k % 2 == 0}
+    assert scheduler.last_moves == len(moved) > 0
+    for _ in range(HOLD - 1):  # the paths swap speeds at once: the moved subgroups may not follow yet
+        scheduler.observe([slow, fast])
+        assert all(scheduler.placement[k] == 0 for k in moved)
+
+
+def test_traffic_meters_busy_time_per_direction_and_their_union():
+    traffic = Traffic(max_inflight=4, max_read=20e6, max_write=20e6)
+    with traffic.transfer("read", 2_000_000), traffic.transfer("write", 1_000_000):  # the write inside the read
+        pass
+    usage = traffic.take_usage()
+    assert (usage.bytes_read, usage.bytes_written) == (2_000_000, 1_000_000)
+    assert usage.read_busy_seconds >= usage.busy_seconds >= usage.write_busy_seconds > 0
+    assert traffic.take_usage() == Usage(0, 0, 0.0, 0.0, 0.0)
+
+
+@pytest.fixture
+def throttled():
+    """One real loop device throttled by the kernel to 20 MB/s each way, this process in its cgroup."""
+    try:
+        devices.check_support()
+    except devices.Unsupported as error:
+        pytest.skip(str(error))
+    with devices.throttled_devices([devices.Throttle(20e6, 20e6)], 256 * 2**20) as made:
+        devices.join(made)
+        yield made[0]
+
+
+def test_the_harness_throttles_direct_writes(throttled):
+    buffer = mmap.mmap(-1, 2**20)  # page-aligned, as O_DIRECT needs
+    fd = os.open(os.path.join(throttled.mount, "data"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    start = time.monotonic()
+    try:
+        for _ in range(32):
+            os.write(fd, buffer)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert time.monotonic() - start >= 1.3, "32 MiB at 20 MB/s take 1.68 s, less what a burst lets through"
