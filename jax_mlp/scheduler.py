@@ -16,6 +16,9 @@
   a moved subgroup stays put for a few updates, so the placement settles instead of swinging. A
   moved subgroup is written to its new path at its next write-back, which happens every step anyway:
   a move costs no extra bytes.
+* **Fallback.** Once the placement has settled, if the measured updates are slower than the model
+  predicts for the fastest path alone (paths that interfere, a model that misses something), every
+  subgroup moves to that path and rebalancing stops: multi-path is never worse than one path.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import statistics
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from jax_mlp import model
 from jax_mlp.model import PathSpeed
@@ -36,6 +40,13 @@ MIN_GAIN = 0.10
 """Fraction of the predicted update a new placement must save before subgroups move."""
 HOLD = 4
 """Updates a moved subgroup stays on the path it was moved to."""
+
+
+class Measured(NamedTuple):
+    """One update as the step measured it: its wall time, and the part of it spent waiting on I/O."""
+
+    seconds: float
+    io_wait: float
 
 
 def weighted_interleave(record_bytes: Sequence[int], shares: Sequence[float]) -> list[int]:
@@ -180,7 +191,9 @@ class Scheduler:
         self.moves = 0
         self.last_moves = 0
         self.updates = 0
+        self.fallback = False
         self._moved_at = [-HOLD] * len(self.record_bytes)
+        self._settled: collections.deque[Measured] = collections.deque(maxlen=WINDOW)
 
     @property
     def speeds(self) -> list[PathSpeed]:
@@ -212,12 +225,13 @@ class Scheduler:
                 write[k] += self.record_bytes[k] / 2
         return Loads(read, write)
 
-    def observe(self, usages: Sequence[Usage], cache_bytes: int = 0) -> None:
+    def observe(self, usages: Sequence[Usage], cache_bytes: int = 0, measured: Measured | None = None) -> None:
         """Learns from what each path moved since the last call, and moves subgroups if that pays.
 
         Args:
           usages: each path's usage since the last call, in path order.
           cache_bytes: the host cache, whose records the next updates do not read.
+          measured: the update's wall time and I/O wait, which the fallback compares with one path.
         """
         for estimate, usage in zip(self.estimates, usages, strict=True):
             estimate.add(usage)
@@ -226,6 +240,8 @@ class Scheduler:
         loads = self.loads(cache_bytes)
         if not self.rebalance or not self._measured(loads):
             return
+        if measured is not None:
+            self._settled.append(measured)
         speeds = self.speeds
         shares = loads.shares(speeds)
         movable = [self.updates - moved >= HOLD for moved in self._moved_at]
@@ -233,14 +249,36 @@ class Scheduler:
         now = loads.seconds(speeds, self.placement, self.placement)
         gain = now - loads.seconds(speeds, placement, placement)
         moving = loads.seconds(speeds, self.placement, placement) - now  # reads still from the old paths
-        if gain <= MIN_GAIN * now or gain <= moving:
-            return
+        if gain > MIN_GAIN * now and gain > moving:
+            self._move(shares, placement)
+        elif len(self._settled) == WINDOW:
+            self._fall_back_if_slower(loads, speeds)
+
+    def _fall_back_if_slower(self, loads: Loads, speeds: Sequence[PathSpeed]) -> None:
+        """Moves everything to the fastest path if the settled updates took longer than it alone would.
+
+        One path's update is predicted as its I/O time plus the update's time not spent waiting on
+        I/O, as if none of them overlapped: an upper bound, so a fallback is never for a small error.
+        """
+        alone = [
+            loads.seconds(speeds, [i] * len(self.placement), [i] * len(self.placement)) for i in range(len(speeds))
+        ]
+        fastest = min(range(len(speeds)), key=alone.__getitem__)
+        seconds = statistics.median(m.seconds for m in self._settled)
+        rest = statistics.median(m.seconds - m.io_wait for m in self._settled)
+        if seconds > (1 + MIN_GAIN) * (alone[fastest] + rest):
+            self._move(tuple(float(i == fastest) for i in range(len(speeds))), [fastest] * len(self.placement))
+            self.rebalance, self.fallback = False, True
+
+    def _move(self, shares: tuple[float, ...], placement: list[int]) -> None:
+        """Takes the new placement, noting which subgroups moved and when."""
         moved = [k for k, (a, b) in enumerate(zip(self.placement, placement, strict=True)) if a != b]
         for k in moved:
             self._moved_at[k] = self.updates
         self.last_moves = len(moved)
         self.moves += len(moved)
         self.shares, self.placement = shares, placement
+        self._settled.clear()
 
     def _measured(self, loads: Loads) -> bool:
         """Whether every path has enough measurements of each direction the updates use."""

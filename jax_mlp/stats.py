@@ -96,6 +96,8 @@ class UpdateStats(NamedTuple):
         as ``{"read": bytes/s, "write": bytes/s}``: declared, probed, or measured while running.
       moves: subgroups the scheduler moved to another path after this call (each is written there
         by the next update).
+      fallback: whether the scheduler has put every subgroup on the fastest path and stopped
+        rebalancing, because the paths together were slower than it alone would be.
       check_s: of an init, the seconds the optimizer check took (see :mod:`jax_mlp.dependence`).
       whole_leaf_subgroups: of an init, each leaf kept whole although its state exceeds
         ``subgroup_size`` (its optimizer mixes its rows), keyed by leaf path, with its subgroup's index.
@@ -116,6 +118,7 @@ class UpdateStats(NamedTuple):
     placement: Mapping[str, int] = _NO_PLACEMENT
     bandwidth: Mapping[str, Mapping[str, float]] = MappingProxyType({})
     moves: int = 0
+    fallback: bool = False
     check_s: float = 0.0
     whole_leaf_subgroups: Mapping[str, int] = _NO_PLACEMENT
 
@@ -238,6 +241,7 @@ def update_stats(
     paths: Sequence[str],
     speeds: Sequence[Any],
     moves: int = 0,
+    fallback: bool = False,
 ) -> UpdateStats:
     """The stats of one call, from what its pipeline run and its counters measured.
 
@@ -251,6 +255,7 @@ def update_stats(
       paths: the paths' names, in index order.
       speeds: the scheduler's :class:`~jax_mlp.model.PathSpeed` per path.
       moves: subgroups the scheduler moved after this call.
+      fallback: whether the scheduler has fallen back to the fastest path alone.
     """
     started = time.perf_counter() - timings.total - extra_wait
     stored = collections.Counter(locations.values())
@@ -273,6 +278,7 @@ def update_stats(
             for path, speed in zip(paths, speeds, strict=True)
         },
         moves=moves,
+        fallback=fallback,
     )
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import pytest
 
 from jax_mlp.model import PathSpeed
-from jax_mlp.scheduler import HOLD, PathEstimate, Scheduler, weighted_interleave
+from jax_mlp.scheduler import HOLD, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
 from jax_mlp.storage.traffic import Traffic, Usage
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -49,13 +49,15 @@ class Simulation:
 
     Reads come from where each record is stored (a moved record from its old path); writes go to the
     scheduler's placement. Records left in the cache are written back in the idle time after the
-    update, which the paths' meters count in the next update's usage. Every third update follows a
+    update, which the paths' meters count in the next update's usage. The update waits on I/O all
+    its time, ``slowdown`` times the slowest path's busy time. Every third update follows a
     long idle time (an evaluation, a checkpoint), so the devices let a burst through.
     """
 
-    def __init__(self, scheduler: Scheduler, paths: tuple[Device, ...]):
+    def __init__(self, scheduler: Scheduler, paths: tuple[Device, ...], slowdown: float = 1.0):
         self.scheduler = scheduler
         self.paths = paths
+        self.slowdown = slowdown  # the measured update over the paths' busy time: what the model does not see
         self.stored = list(scheduler.placement)
         self.idle_writes = [0.0] * len(paths)
         self.step = 0
@@ -89,7 +91,7 @@ class Simulation:
         for k in order[len(order) - cached :]:
             self.idle_writes[placement[k]] += RECORD
         self.stored = placement
-        self.scheduler.observe(usages, CACHE)
+        self.scheduler.observe(usages, CACHE, Measured(self.slowdown * seconds, self.slowdown * seconds))
         self.step += 1
         return seconds
 
@@ -117,7 +119,7 @@ def test_placement_converges_without_moving_back_on_full_duplex_bursty_devices(p
         times.append(simulation.update())
         moves.append(scheduler.last_moves)
         history.append(list(scheduler.placement))
-    assert sum(moves[8:]) == 0, f"still moving: {moves}"
+    assert sum(moves[8:]) == 0 and not scheduler.fallback, f"still moving: {moves}"
     for k in range(RECORDS):
         visited = [placement[k] for placement in history]
         changes = sum(a != b for a, b in itertools.pairwise(visited))
@@ -126,6 +128,22 @@ def test_placement_converges_without_moving_back_on_full_duplex_bursty_devices(p
     share = scheduler.placement.count(0) / RECORDS
     assert abs(share - best_share) <= 0.1 * max(best_share, 1 - best_share), (share, best_share)
     assert sum(times[-6:]) / 6 <= 1.1 * best_seconds
+
+
+def test_paths_slower_together_than_the_fastest_alone_fall_back_to_it():
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    simulation = Simulation(scheduler, (PFS, NVME), slowdown=2.0)  # twice what the paths' busy times explain
+    moves = []
+    for _ in range(20):
+        simulation.update()
+        moves.append(scheduler.last_moves)
+        if scheduler.fallback:
+            break
+    assert scheduler.fallback and scheduler.placement == [1] * RECORDS and scheduler.shares == (0.0, 1.0)
+    assert moves[-1] == 8, "the subgroups left on the slow path move at once"
+    assert len(moves) <= 4 + WINDOW + 1, "it falls back one window after the placement settled"
+    simulation.update()
+    assert scheduler.last_moves == 0 and scheduler.placement == [1] * RECORDS, "and stays there"
 
 
 def test_estimates_follow_each_direction_and_ignore_one_burst():
