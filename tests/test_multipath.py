@@ -7,6 +7,7 @@ devices (``benchmarks/devices.py``) is checked to throttle.
 from __future__ import annotations
 
 import itertools
+import json
 import mmap
 import os
 import pathlib
@@ -14,8 +15,13 @@ import sys
 import time
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
+import jax_mlp
+from jax_mlp import report
 from jax_mlp.model import PathSpeed
 from jax_mlp.scheduler import HOLD, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
 from jax_mlp.storage.traffic import Traffic, Usage
@@ -202,3 +208,27 @@ def test_the_harness_throttles_direct_writes(throttled):
     finally:
         os.close(fd)
     assert time.monotonic() - start >= 1.3, "32 MiB at 20 MB/s take 1.68 s, less what a burst lets through"
+
+
+def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path):
+    params = {"w": jnp.full((512, 256), 0.5, jnp.float32)}  # 1 MiB of adam state: 64 subgroups of 16 KiB
+    fast = jax_mlp.Path(tmp_path / "fast", max_read="16MB/s", max_write="16MB/s")
+    slow = jax_mlp.Path(tmp_path / "slow", max_read="16MB/s", max_write="16MB/s")
+    log = tmp_path / "run.jsonl"
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[fast, slow], subgroup_size="16KiB", log_to=log)
+    state = tx.init(params)
+    tx.offloader.set_caps(1, max_read="4MB/s", max_write="4MB/s")  # the split of equal caps no longer fits
+    for step in range(8):
+        _, state = tx.update(jax.tree.map(lambda p, s=step: p * 0.1 + s, params), state, params)
+    scheduler = tx.offloader.scheduler
+    lines = [json.loads(text) for text in log.read_text().splitlines()]
+    tx.close()
+    assert sum(line["moves"] for line in lines) == scheduler.moves > 0
+    assert not any(line["fallback"] for line in lines)
+    estimate = lines[-1]["bandwidth"]
+    assert estimate[str(tmp_path / "slow")]["read"] < estimate[str(tmp_path / "fast")]["read"]
+    assert estimate[str(tmp_path / "slow")]["write"] <= 4e6 * 1.05
+    figure = report.make_figure(report.load_log(log))
+    titles = [ax.get_title() for ax in figure.axes]
+    assert any(title.startswith(f"{report.PLACEMENT} ({scheduler.moves} moved in") for title in titles), titles
+    assert any(title.startswith(f"{report.THROUGHPUT} (estimated read/write MB/s: p0 ") for title in titles), titles
