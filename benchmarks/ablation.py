@@ -16,11 +16,23 @@ the host cache) is measured for each codec by runners stepped in the same interl
 Writes ``ablation.json`` and ``ablation.png`` into ``--out``.
 
     python benchmarks/ablation.py --out results/
+
+With ``--devices real`` the paths are real file systems throttled by the kernel instead
+(``devices.py``: loop-backed ext4 under a blkio cgroup, each direction throttled apart, with the
+bursts a throttle lets through after idle time), which the library's own caps cannot show. A fast
+(``--fast``) and a slow (``--slow``) device, then an equal pair of fast ones, each run the fast path
+alone, the full scheduler, and the full scheduler with its probed split and no rebalancing, all with
+the library's default options. Each is set against the model's ideal on those rates (full duplex),
+with the compute floor measured in the same loop. Needs root; writes ``ablation_real.json``.
+
+    sudo python benchmarks/ablation.py --devices real --fast 300MB/s --slow 100MB/s --state 256MiB \
+        --subgroup-size 8MiB --idle 1 --iterations 10 --out results/
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +41,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
+import devices
 import jax
 import jax.numpy as jnp
 import optax
@@ -50,7 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow", default="48MB/s", help="cap of the slow path (the PFS)")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--iterations", type=int, default=7)
-    parser.add_argument("--depth", type=int, default=4, help="prefetch and write depth of every variant")
+    parser.add_argument("--depth", type=int, default=4, help="prefetch and write depth of every variant (caps only)")
+    parser.add_argument(
+        "--devices",
+        choices=("caps", "real"),
+        default="caps",
+        help="emulate the tiers with the library's caps, or make real kernel-throttled devices (root)",
+    )
     parser.add_argument("--idle", type=float, default=0.4, help="seconds of simulated forward/backward")
     parser.add_argument("--dir", default=None, help="where the emulated tiers live (default: a temp dir)")
     parser.add_argument("--out", default="results", help="output folder for the JSON and PNG")
@@ -400,8 +419,115 @@ def plot(result: dict, path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
+REAL_VARIANTS = {
+    "fast path alone": dict(paths=("fast",)),
+    "full": dict(paths=("fast", "slow")),
+    "full, probed split, no rebalancing": dict(paths=("fast", "slow"), probe=True, rebalance=False),
+}
+"""The variants run on real devices, all with the library's default options otherwise."""
+
+
+def real_pairs(tiers: Tiers) -> dict[str, tuple[devices.Throttle, devices.Throttle]]:
+    """The device pairs of ``--devices real``: the fast and the slow device, then two fast ones."""
+    fast, slow = devices.Throttle(tiers.fast_cap, tiers.fast_cap), devices.Throttle(tiers.slow_cap, tiers.slow_cap)
+    return {"fast+slow": (fast, slow), "equal": (fast, fast)}
+
+
+def real_ideal(variant: dict, pair: tuple[devices.Throttle, ...], plan: Plan, tiers: Tiers, floor: float, idle: float):
+    """The model's update on the throttled rates, both directions at once (the kernel throttles them apart)."""
+    named = dict(zip(("fast", "slow"), pair, strict=True))
+    speeds = [PathSpeed(name, named[name].read_bps, named[name].write_bps, serial=0.0) for name in variant["paths"]]
+    return model.predict(
+        speeds,
+        num_records=len(plan.subgroups),
+        record_bytes=mean_record_bytes(plan),
+        cache_bytes=tiers.cache,
+        compute_seconds=floor,
+        idle_seconds=idle,
+        prefetch_records=2,  # the default prefetch_depth, read in the idle time before the update
+    ).seconds
+
+
+def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tuple[devices.Throttle, ...]) -> dict:
+    """Makes the two devices, steps a compute floor and each real variant interleaved on them, and sums up."""
+    with devices.throttled_devices(pair, size=16 * tiers.state_bytes) as made, contextlib.ExitStack() as runs:
+        devices.join(made)
+        mounts = dict(zip(("fast", "slow"), (device.mount for device in made.devices), strict=True))
+        floor = Runner(  # all state cached and never written back: no I/O beside the variants'
+            "floor",
+            params,
+            args.subgroup_size,
+            paths=[f"{mounts['fast']}/floor"],
+            host_cache=4 * tiers.state_bytes,
+            flush="lazy",
+        )
+        runs.callback(floor.tx.close, delete=True)
+        runners = {}
+        for index, (name, variant) in enumerate(REAL_VARIANTS.items()):
+            options = {key: value for key, value in variant.items() if key != "paths"}
+            paths = [f"{mounts[path]}/{index}" for path in variant["paths"]]
+            runners[name] = Runner(name, params, args.subgroup_size, paths=paths, host_cache=tiers.cache, **options)
+            runs.callback(runners[name].tx.close, delete=True)
+        step_interleaved([floor, *runners.values()], args.iterations, args.idle)
+    compute = statistics.median(floor.times[1:])
+    plan = floor.tx.offloader.plan
+    rows = {
+        name: real_row(runner, REAL_VARIANTS[name], pair, plan, tiers, compute, args.idle)
+        for name, runner in runners.items()
+    }
+    alone, full = rows["fast path alone"]["median_update_s"], rows["full"]["median_update_s"]
+    return {"compute_floor_s": compute, "rows": rows, "full_vs_fast_alone": alone / full}
+
+
+def real_row(runner: Runner, variant: dict, pair: tuple, plan: Plan, tiers: Tiers, compute: float, idle: float) -> dict:
+    """A real variant's updates (the median of the 4th on), its ideal, and each update's moves."""
+    steady = statistics.median(runner.times[3:])
+    ideal = real_ideal(variant, pair, plan, tiers, compute, idle)
+    return {
+        "median_update_s": steady,
+        "update_s": runner.times,
+        "ideal_s": ideal,
+        "of_ideal": ideal / steady,
+        "moves": [stats["moves"] for stats in runner.stats],
+        "fallback": runner.stats[-1]["fallback"],
+        "bytes_read": _bytes_by_path(runner.stats[-1], "bytes_read"),
+        "bytes_written": _bytes_by_path(runner.stats[-1], "bytes_written"),
+    }
+
+
+def run_real(args: argparse.Namespace) -> dict:
+    """``--devices real``: every pair of :func:`real_pairs`, one after the other; prints and writes the result."""
+    tiers = tiers_of(args)
+    params = make_params(tiers.state_bytes)
+    result = {
+        "state_bytes": tiers.state_bytes,
+        "cache_bytes": tiers.cache,
+        "subgroup_size": args.subgroup_size,
+        "idle_s": args.idle,
+        "pairs": {
+            name: {"throttles_bytes_per_s": [t.read_bps for t in pair], **run_real_pair(args, params, tiers, pair)}
+            for name, pair in real_pairs(tiers).items()
+        },
+    }
+    with open(os.path.join(args.out, "ablation_real.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    for name, pair in result["pairs"].items():
+        rates = " / ".join(f"{rate / 1e6:.0f}" for rate in pair["throttles_bytes_per_s"])
+        print(f"{name} ({rates} MB/s each way), compute floor {pair['compute_floor_s']:.3f} s:")
+        for variant, row in pair["rows"].items():
+            print(
+                f"  {variant:<36} median {row['median_update_s']:.3f} s   ideal {row['ideal_s']:.3f} s "
+                f"({row['of_ideal']:.0%})   moves {row['moves']}{'   fell back' if row['fallback'] else ''}"
+            )
+        print(f"  full vs fast path alone: {pair['full_vs_fast_alone']:.2f}x")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.devices == "real":
+        os.makedirs(args.out, exist_ok=True)
+        return run_real(args)
     root = args.dir or tempfile.mkdtemp(prefix="jax_mlp_ablation_")
     os.makedirs(args.out, exist_ok=True)
     try:

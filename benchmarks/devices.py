@@ -6,9 +6,9 @@ each direction separately (``blkio.throttle.read_bps_device`` and ``write_bps_de
 with the bursts a throttle lets through after idle time. Only direct I/O is throttled under cgroup v1
 (buffered write-back is not charged to the writer's cgroup); records on local paths use ``O_DIRECT``.
 
-    with throttled_devices([Throttle(300e6, 300e6), Throttle(100e6, 100e6)], size=1 << 30) as devices:
-        join(devices)  # this process's I/O to them is now throttled
-        paths = [jax_mlp.Path(d.mount) for d in devices]
+    with throttled_devices([Throttle(300e6, 300e6), Throttle(100e6, 100e6)], size=1 << 30) as made:
+        join(made)  # this process's I/O to them is now throttled
+        paths = [jax_mlp.Path(device.mount) for device in made.devices]
 
 Needs root, cgroup v1's blkio controller, loop devices and ``mkfs.ext4``; :func:`check_support`
 raises :class:`Unsupported` with the reason where any is missing.
@@ -52,12 +52,6 @@ class Devices(NamedTuple):
 
     devices: tuple[Device, ...]
     cgroup: str
-
-    def __getitem__(self, index):  # the devices, as a sequence
-        return self.devices[index]
-
-    def __len__(self) -> int:
-        return len(self.devices)
 
 
 def check_support() -> None:
@@ -127,7 +121,7 @@ def _device(base: str, index: int, throttle: Throttle, size: int, cgroup: str) -
         os.makedirs(mount, exist_ok=True)
         stack.callback(os.rmdir, mount)
         _run("mount", loop, mount)
-        stack.callback(_run, "umount", mount)
+        stack.callback(_unmount, mount)
         rdev = os.stat(loop).st_rdev
         major_minor = f"{os.major(rdev)}:{os.minor(rdev)}"
         _write(os.path.join(cgroup, "blkio.throttle.read_bps_device"), f"{major_minor} {int(throttle.read_bps)}")
@@ -138,6 +132,12 @@ def _device(base: str, index: int, throttle: Throttle, size: int, cgroup: str) -
 def join(devices: Devices, pid: int | None = None) -> None:
     """Puts process ``pid`` (default: this one, all its threads) in the devices' cgroup: its I/O to them is throttled."""
     _write(os.path.join(devices.cgroup, "cgroup.procs"), str(pid or os.getpid()))
+
+
+def _unmount(mount: str) -> None:
+    """Unmounts ``mount``; if a process still holds files there (a run that failed), detaches it lazily."""
+    if subprocess.run(["umount", mount], capture_output=True).returncode != 0:
+        _run("umount", "-l", mount)
 
 
 def _remove_cgroup(cgroup: str) -> None:

@@ -32,26 +32,31 @@ INIT_PROBE_BYTES = 64 * 1024**2
 
 
 class PathSpeed(NamedTuple):
-    """A path's bandwidths in bytes/s, and how much its two directions get in each other's way.
+    """A path's bandwidths in bytes/s, how much its two directions get in each other's way, and its bursts.
 
     ``serial`` is 1 for one pipe shared by reads and writes, 0 for a full-duplex device, in between
-    for a device that overlaps them in part.
+    for a device that overlaps them in part. ``read_burst`` and ``write_burst`` are the bytes a
+    device lets through at once after idle time (a kernel throttle credits a fraction of a second
+    of its rate), which an update's busy time does not pay for.
     """
 
     name: str
     read_bandwidth: float
     write_bandwidth: float
     serial: float = 1.0
+    read_burst: float = 0.0
+    write_burst: float = 0.0
 
     def seconds(self, read_bytes: float, write_bytes: float) -> float:
-        """Busy time to read ``read_bytes`` and write ``write_bytes``, both directions started together."""
-        read, write = read_bytes / self.read_bandwidth, write_bytes / self.write_bandwidth
+        """Busy time to read ``read_bytes`` and write ``write_bytes`` after idle time, both directions started together."""
+        read = max(0.0, read_bytes - self.read_burst) / self.read_bandwidth
+        write = max(0.0, write_bytes - self.write_burst) / self.write_bandwidth
         return max(read, write) + self.serial * min(read, write)
 
     @property
     def seconds_per_byte(self) -> float:
-        """Busy time to read and write back one byte."""
-        return self.seconds(1, 1)
+        """Busy time to read and write back one byte, bursts aside."""
+        return self._replace(read_burst=0.0, write_burst=0.0).seconds(1, 1)
 
 
 class Prediction(NamedTuple):

@@ -7,9 +7,10 @@
   interleaved in update order (a smooth weighted round robin by bytes), so consecutive reads hit
   different paths at once. ``"round_robin"`` splits them equally, like a fixed ratio.
 * **Rebalancing.** After each update every path reports its bytes and busy time per direction
-  (:class:`~jax_mlp.storage.traffic.Usage`). :class:`PathEstimate` keeps the median of each
-  direction's rate over the last updates, so a burst after idle time or one odd update does not
-  move it, and how far the two directions get in each other's way. From these the scheduler
+  (:class:`~jax_mlp.storage.traffic.Usage`). :class:`PathEstimate` fits each direction's rate and
+  the burst a throttle lets through after idle time to the last updates, with medians, so one odd
+  update does not move it and a lightly loaded path does not look fast; and it keeps how far the
+  two directions get in each other's way. From these the scheduler
   predicts the next updates: the records the host cache serves are not read, and a moved record is
   still read from its old path in the update that moves it. It moves subgroups only when the
   predicted gain is above a tenth of the update and above the extra time of the moving update, and
@@ -32,14 +33,16 @@ from jax_mlp import model
 from jax_mlp.model import PathSpeed
 from jax_mlp.storage.traffic import Usage
 
-WINDOW = 5
-"""Updates whose measurements a path's estimate takes the median of."""
+WINDOW = 8
+"""Updates whose measurements a path's estimate is fitted to."""
 MIN_SAMPLES = 3
 """Measurements of each direction a path needs before the split follows them."""
 MIN_GAIN = 0.10
 """Fraction of the predicted update a new placement must save before subgroups move."""
 HOLD = 4
 """Updates a moved subgroup stays on the path it was moved to."""
+DISTINCT_LOADS = 0.2
+"""How much two updates' bytes on a path must differ for the pair to tell its rate from its burst."""
 
 
 class Measured(NamedTuple):
@@ -95,11 +98,15 @@ def shift_placement(
 
 
 class PathEstimate:
-    """A path's bandwidth per direction, learned from its usage as the median of the last ``WINDOW`` updates.
+    """A path's bandwidth and burst per direction, fitted to its last ``WINDOW`` updates.
 
-    Each update gives one rate per direction it used (bytes over that direction's busy time) and,
-    when it used both, how far they serialised: 0 when the union of their busy times is the larger
-    of the two (full duplex), 1 when it is their sum (one pipe).
+    Each update gives, per direction it used, its bytes and busy time. A kernel throttle lets a
+    burst through after idle time, so a lightly loaded path looks fast: the rate is fitted as the
+    median slope of bytes over busy time between updates of clearly different loads (bytes =
+    burst + rate × busy), and never above the median plain rate (bytes over busy time), which a
+    burst only makes higher. When the loads have not differed yet, it is that plain rate. Each update that used both directions also
+    tells how far they serialised: 0 when the union of their busy times is the longer one (full
+    duplex), 1 when it is their sum (one pipe).
 
     Args:
       start: the declared, probed or assumed speed, used until a direction has been measured.
@@ -107,33 +114,51 @@ class PathEstimate:
 
     def __init__(self, start: PathSpeed):
         self.start = start
-        self.rates = {kind: collections.deque(maxlen=WINDOW) for kind in ("read", "write", "serial")}
+        self.samples = {kind: collections.deque(maxlen=WINDOW) for kind in ("read", "write")}
+        self.serial: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def add(self, usage: Usage) -> None:
         """Takes in one update's usage of the path."""
         read, write = usage.read_busy_seconds, usage.write_busy_seconds
         if usage.bytes_read and read > 0:
-            self.rates["read"].append(usage.bytes_read / read)
+            self.samples["read"].append((usage.bytes_read, read))
         if usage.bytes_written and write > 0:
-            self.rates["write"].append(usage.bytes_written / write)
+            self.samples["write"].append((usage.bytes_written, write))
         if read > 0 and write > 0:
             overlap = (usage.busy_seconds - max(read, write)) / min(read, write)
-            self.rates["serial"].append(min(1.0, max(0.0, overlap)))
+            self.serial.append(min(1.0, max(0.0, overlap)))
 
     def measured(self, kind: str) -> bool:
         """Whether ``kind`` (read or write) has enough measurements to be trusted."""
-        return len(self.rates[kind]) >= MIN_SAMPLES
+        return len(self.samples[kind]) >= MIN_SAMPLES
 
     @property
     def speed(self) -> PathSpeed:
-        """The estimate: each measured direction's median rate, else the starting one."""
-        read, write, serial = (statistics.median(self.rates[k]) if self.rates[k] else None for k in self.rates)
-        return PathSpeed(
-            self.start.name,
-            read or self.start.read_bandwidth,
-            write or self.start.write_bandwidth,
-            self.start.serial if serial is None else serial,
-        )
+        """The estimate: each measured direction's fitted rate and burst, else the starting ones."""
+        start = self.start
+        read = _fit(self.samples["read"]) or (start.read_bandwidth, start.read_burst)
+        write = _fit(self.samples["write"]) or (start.write_bandwidth, start.write_burst)
+        serial = statistics.median(self.serial) if self.serial else start.serial
+        return PathSpeed(start.name, read[0], write[0], serial, read[1], write[1])
+
+
+def _fit(samples: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """The rate and burst of ``(bytes, busy seconds)`` samples (see :class:`PathEstimate`); None if none."""
+    if not samples:
+        return None
+    samples = list(samples)
+    plain = statistics.median(nbytes / busy for nbytes, busy in samples)  # a burst only makes it higher
+    slopes = [
+        (b2 - b1) / (t2 - t1)
+        for i, (b1, t1) in enumerate(samples)
+        for b2, t2 in samples[i + 1 :]
+        if abs(b2 - b1) > DISTINCT_LOADS * max(b1, b2) and (b2 - b1) * (t2 - t1) > 0
+    ]
+    if not slopes:
+        return plain, 0.0
+    rate = min(statistics.median(slopes), plain)
+    burst = statistics.median(b - rate * t for b, t in samples)
+    return rate, min(max(0.0, burst), min(b for b, _ in samples))
 
 
 class Loads:
@@ -156,9 +181,26 @@ class Loads:
         return max(speed.seconds(r, w) for speed, r, w in zip(speeds, read, write, strict=True))
 
     def shares(self, speeds: Sequence[PathSpeed]) -> tuple[float, ...]:
-        """Shares of the records per path that make all paths finish together (their time is linear in the share)."""
-        rates = [1 / speed.seconds(sum(self.read), sum(self.write)) for speed in speeds]
-        return tuple(rate / sum(rates) for rate in rates)
+        """Shares of the records per path that make all paths finish together.
+
+        Found by bisection on the common finishing time, since a burst makes a path's time
+        not proportional to its share.
+        """
+        read, write = sum(self.read), sum(self.write)
+
+        def share_within(speed: PathSpeed, seconds: float) -> float:
+            low, high = 0.0, 1.0
+            for _ in range(40):
+                middle = (low + high) / 2
+                low, high = (middle, high) if speed.seconds(middle * read, middle * write) <= seconds else (low, middle)
+            return low
+
+        low, high = 0.0, min(speed.seconds(read, write) for speed in speeds)
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (low, middle) if sum(share_within(s, middle) for s in speeds) >= 1 else (middle, high)
+        shares = [share_within(speed, high) for speed in speeds]
+        return tuple(share / sum(shares) for share in shares)
 
 
 class Scheduler:

@@ -36,18 +36,22 @@ CACHE = 8 * RECORD  # 64 MiB of host cache
 
 
 class Device(NamedTuple):
-    """A full-duplex device throttled per direction; after a long idle time the first ``burst`` bytes go at 3x the rate."""
+    """A full-duplex device throttled per direction, which after idle time lets ``credit`` seconds of its rate
+    through ``speedup`` times faster. A kernel throttle does (on this machine about 0.2 s, almost at once):
+    a path given few records looks much faster than it is."""
 
     read_rate: float
     write_rate: float
-    burst: float = 32 * 2**20
+    speedup: float = 3.0
+    credit: float = 0.2
 
-    def seconds(self, nbytes: float, rate: float, rested: bool) -> float:
-        fast = min(nbytes, self.burst if rested else 0)
-        return fast / (3 * rate) + (nbytes - fast) / rate
+    def seconds(self, nbytes: float, rate: float) -> float:
+        fast = min(nbytes, self.credit * rate)
+        return fast / (self.speedup * rate) + (nbytes - fast) / rate
 
 
 NVME, PFS = Device(300 * MB, 300 * MB), Device(100 * MB, 100 * MB)
+KERNEL_NVME, KERNEL_PFS = NVME._replace(speedup=20.0), PFS._replace(speedup=20.0)
 
 
 class Simulation:
@@ -56,8 +60,8 @@ class Simulation:
     Reads come from where each record is stored (a moved record from its old path); writes go to the
     scheduler's placement. Records left in the cache are written back in the idle time after the
     update, which the paths' meters count in the next update's usage. The update waits on I/O all
-    its time, ``slowdown`` times the slowest path's busy time. Every third update follows a
-    long idle time (an evaluation, a checkpoint), so the devices let a burst through.
+    its time, ``slowdown`` times the slowest path's busy time. Every update follows idle time, so
+    the devices let a burst through.
     """
 
     def __init__(self, scheduler: Scheduler, paths: tuple[Device, ...], slowdown: float = 1.0):
@@ -78,10 +82,10 @@ class Simulation:
             read[self.stored[k]] += RECORD
         for k in order[: len(order) - cached]:
             write[placement[k]] += RECORD
-        usages, seconds, rested = [], 0.0, self.step % 3 == 0
+        usages, seconds = [], 0.0
         for i, device in enumerate(self.paths):
-            reading = device.seconds(read[i], device.read_rate, rested)
-            writing = device.seconds(write[i], device.write_rate, rested)
+            reading = device.seconds(read[i], device.read_rate)
+            writing = device.seconds(write[i], device.write_rate)
             idle = self.idle_writes[i] / device.write_rate
             seconds = max(seconds, reading, writing)
             usages.append(
@@ -115,7 +119,11 @@ def best_update(paths: tuple[Device, ...]) -> tuple[float, float]:
     return share, seconds
 
 
-@pytest.mark.parametrize("paths", [(NVME, PFS), (PFS, NVME), (NVME, NVME)], ids=["fast-slow", "slow-fast", "equal"])
+@pytest.mark.parametrize(
+    "paths",
+    [(NVME, PFS), (PFS, NVME), (NVME, NVME), (KERNEL_NVME, KERNEL_PFS)],
+    ids=["fast-slow", "slow-fast", "equal", "kernel-like-bursts"],
+)
 def test_placement_converges_without_moving_back_on_full_duplex_bursty_devices(paths):
     scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
     simulation = Simulation(scheduler, paths)
@@ -141,23 +149,30 @@ def test_paths_slower_together_than_the_fastest_alone_fall_back_to_it():
     simulation = Simulation(scheduler, (PFS, NVME), slowdown=2.0)  # twice what the paths' busy times explain
     moves = []
     for _ in range(20):
+        on_slow = scheduler.placement.count(0)
         simulation.update()
         moves.append(scheduler.last_moves)
         if scheduler.fallback:
             break
     assert scheduler.fallback and scheduler.placement == [1] * RECORDS and scheduler.shares == (0.0, 1.0)
-    assert moves[-1] == 8, "the subgroups left on the slow path move at once"
+    assert moves[-1] == on_slow > 0, "the subgroups left on the slow path move at once"
     assert len(moves) <= 4 + WINDOW + 1, "it falls back one window after the placement settled"
     simulation.update()
     assert scheduler.last_moves == 0 and scheduler.placement == [1] * RECORDS, "and stays there"
 
 
-def test_estimates_follow_each_direction_and_ignore_one_burst():
+def test_estimates_fit_rate_and_burst_so_a_lightly_loaded_path_does_not_look_fast():
     estimate = PathEstimate(PathSpeed("p", 1e9, 1e9))
-    for _ in range(4):
-        estimate.add(Usage(100, 300, 3.0, 1.0, 3.0))  # full duplex: the union is the longer direction
-    estimate.add(Usage(100, 300, 1.0, 1 / 3, 1.0))  # one update at 3x after a long idle time
-    assert estimate.speed == PathSpeed("p", 100.0, 100.0, 0.0)
+    for _ in range(2):  # 20 bytes let through at once after idle, then 100 bytes/s
+        estimate.add(Usage(120, 240, 2.0, 1.0, 2.0))  # full duplex: the union is the longer direction
+    assert estimate.speed.read_bandwidth == 120, "one load so far: the plain rate"
+    estimate.add(Usage(40, 80, 0.4, 0.2, 0.4))  # looks twice as fast as the device is
+    estimate.add(Usage(60, 120, 0.8, 0.4, 0.8))
+    estimate.add(Usage(600, 1200, 14.0, 7.0, 14.0))  # one slow update: the medians ignore it
+    speed = estimate.speed
+    assert speed.read_bandwidth == pytest.approx(100) and speed.read_burst == pytest.approx(20)
+    assert speed.write_bandwidth == pytest.approx(100) and speed.write_burst == pytest.approx(40)
+    assert speed.serial == 0.0 and speed.seconds(220, 440) == pytest.approx(4.0)
     pipe = PathEstimate(PathSpeed("p", 1e9, 1e9))
     pipe.add(Usage(100, 100, 2.0, 1.0, 1.0))  # one pipe: the directions take turns
     assert pipe.speed.serial == 1.0 and pipe.speed.seconds(100, 100) == 2.0
@@ -194,7 +209,7 @@ def throttled():
         pytest.skip(str(error))
     with devices.throttled_devices([devices.Throttle(20e6, 20e6)], 256 * 2**20) as made:
         devices.join(made)
-        yield made[0]
+        yield made.devices[0]
 
 
 def test_the_harness_throttles_direct_writes(throttled):
