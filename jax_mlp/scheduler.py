@@ -12,7 +12,8 @@
   update does not move it and a lightly loaded path does not look fast; and it keeps how far the
   two directions get in each other's way. From these the scheduler
   predicts the next updates: the records the host cache serves are not read, and a moved record is
-  still read from its old path in the update that moves it. It moves subgroups only when the
+  still read from its old path in the update that moves it. Until every rate is fitted across
+  loads, a move goes halfway to the split it computes. It moves subgroups only when the
   predicted gain is above a tenth of the update and above the extra time of the moving update, and
   a moved subgroup stays put for a few updates, so the placement settles instead of swinging. A
   moved subgroup is written to its new path at its next write-back, which happens every step anyway:
@@ -132,6 +133,10 @@ class PathEstimate:
         """Whether ``kind`` (read or write) has enough measurements to be trusted."""
         return len(self.samples[kind]) >= MIN_SAMPLES
 
+    def fitted(self, kind: str) -> bool:
+        """Whether ``kind``'s loads have differed enough to tell its rate from its burst."""
+        return bool(_slopes(list(self.samples[kind])))
+
     @property
     def speed(self) -> PathSpeed:
         """The estimate: each measured direction's fitted rate and burst, else the starting ones."""
@@ -148,17 +153,22 @@ def _fit(samples: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
         return None
     samples = list(samples)
     plain = statistics.median(nbytes / busy for nbytes, busy in samples)  # a burst only makes it higher
-    slopes = [
-        (b2 - b1) / (t2 - t1)
-        for i, (b1, t1) in enumerate(samples)
-        for b2, t2 in samples[i + 1 :]
-        if abs(b2 - b1) > DISTINCT_LOADS * max(b1, b2) and (b2 - b1) * (t2 - t1) > 0
-    ]
+    slopes = _slopes(samples)
     if not slopes:
         return plain, 0.0
     rate = min(statistics.median(slopes), plain)
     burst = statistics.median(b - rate * t for b, t in samples)
     return rate, min(max(0.0, burst), min(b for b, _ in samples))
+
+
+def _slopes(samples: Sequence[tuple[float, float]]) -> list[float]:
+    """Bytes over busy time between each two samples whose loads clearly differ."""
+    return [
+        (b2 - b1) / (t2 - t1)
+        for i, (b1, t1) in enumerate(samples)
+        for b2, t2 in samples[i + 1 :]
+        if abs(b2 - b1) > DISTINCT_LOADS * max(b1, b2) and (b2 - b1) * (t2 - t1) > 0
+    ]
 
 
 class Loads:
@@ -286,6 +296,9 @@ class Scheduler:
             self._settled.append(measured)
         speeds = self.speeds
         shares = loads.shares(speeds)
+        if not self._fitted(loads):  # rates still inflated by bursts: go halfway, which also varies the loads
+            held = self.held_shares()
+            shares = tuple((a + b) / 2 for a, b in zip(held, shares, strict=True))
         movable = [self.updates - moved >= HOLD for moved in self._moved_at]
         placement = shift_placement(self.placement, self.record_bytes, shares, movable)
         now = loads.seconds(speeds, self.placement, self.placement)
@@ -321,6 +334,18 @@ class Scheduler:
         self.moves += len(moved)
         self.shares, self.placement = shares, placement
         self._settled.clear()
+
+    def held_shares(self) -> tuple[float, ...]:
+        """Each path's share of the records' bytes in the current placement."""
+        held = [0.0] * len(self.estimates)
+        for path, nbytes in zip(self.placement, self.record_bytes, strict=True):
+            held[path] += nbytes
+        return tuple(b / sum(self.record_bytes) for b in held)
+
+    def _fitted(self, loads: Loads) -> bool:
+        """Whether every path's rate of each direction the updates use is fitted across loads."""
+        kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
+        return all(estimate.fitted(kind) for estimate in self.estimates for kind in kinds)
 
     def _measured(self, loads: Loads) -> bool:
         """Whether every path has enough measurements of each direction the updates use."""
