@@ -280,7 +280,8 @@ def train(args: argparse.Namespace, tokens: np.ndarray, offload: jax_mlp.Offload
     """Trains a fresh GPT on ``tokens`` with ``offload`` (and, with ``--compare``, plain optax alongside).
 
     The step is split: ``loss_and_grads`` runs under ``nnx.jit``, then ``optimizer.update`` runs
-    eagerly, because ``mlp_offload`` does I/O and raises if traced. With ``--compare`` a second,
+    eagerly, so the update streams the state through the device (traced inside jit it would run on
+    the host CPU instead: see docs/usage.md, "Which route runs where"). With ``--compare`` a second,
     identically initialised model takes the same gradients through in-memory optax: training is
     chaotic, so two free-running models drift apart from rounding alone, and giving both optimizers
     the same gradients isolates what they compute.

@@ -3,8 +3,9 @@
 The data is generated here: a fixed random "teacher" network maps Gaussian inputs to targets, and
 the student MLP learns to imitate it. Nothing is downloaded.
 
-``TrainState.apply_gradients`` calls ``tx.update``, and ``mlp_offload``'s update does I/O, so it
-must run eagerly, outside jit. The train step is therefore split in two:
+``TrainState.apply_gradients`` calls ``tx.update``. Called eagerly, outside jit, ``mlp_offload``'s
+update streams the state through the device; traced inside jit it would run on the host CPU (see
+docs/usage.md, "Which route runs where"). The train step is therefore split in two:
 
 1. ``grads_of`` computes the loss and gradients under ``jax.jit``;
 2. ``state.apply_gradients(grads=grads)`` runs eagerly: ``tx.update`` streams the AdamW state through

@@ -29,6 +29,8 @@ class Call(NamedTuple):
       shared: the handle's shared state, as a tree.
       extra: the extra arguments of ``inner.update``, as arrays.
       traced: whether the call is being traced (inside ``jax.jit``).
+      grads_tree: the structure of the grads as given: the updates come back in it, as optax's do.
+      params_tree: the structure of the params as given (``apply``'s new params come back in it), or None.
     """
 
     grads: list[jax.Array]
@@ -36,6 +38,8 @@ class Call(NamedTuple):
     shared: Any
     extra: dict[str, jax.Array]
     traced: bool
+    grads_tree: Any
+    params_tree: Any
 
 
 class CallChecks:
@@ -79,7 +83,8 @@ class CallChecks:
             self._shared_treedef, inputs.check_shared(self._programs.shared_shapes, state.shared)
         )
         traced = inputs.is_traced((grad_leaves, state, param_leaves, extra))
-        return Call(grad_leaves, param_leaves, shared, extra, traced)
+        params_tree = None if params is None else jax.tree_util.tree_structure(params)
+        return Call(grad_leaves, param_leaves, shared, extra, traced, jax.tree_util.tree_structure(grads), params_tree)
 
     def uniform(self, call: Call) -> tuple[Uniform, Any]:
         """What every subgroup is given alike (the shared state, its successor, the extra args), and that successor."""

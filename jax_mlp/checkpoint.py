@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -79,8 +80,9 @@ class OffloadRestore(ocp.args.CheckpointArgs):
     of ``inner.init(params)``). The ``mlp_offload`` may use other paths, subgroup size and host cache.
 
     Attributes:
-      offload: a new :func:`~jax_mlp.mlp_offload` (without ``resume``) on empty paths; restoring
-        initialises it, so do not call its ``init``.
+      offload: a new :func:`~jax_mlp.mlp_offload` (without ``resume``); restoring initialises it, so do
+        not call its ``init``. Its paths hold no run, or this run's state (the same layout hash, e.g.
+        after a crash): the restore replaces that state, with a warning naming the step it held.
       params: the params, or their ``jax.ShapeDtypeStruct``s. Values are needed only when the
         offload keeps master params and the checkpoint has none: the master copy starts from them.
       step: the step of the restored state; by default the one saved, or 0 for a plain optax checkpoint.
@@ -278,11 +280,30 @@ class _StreamedLeafHandler(ocp.type_handlers.TypeHandler):
 _REGISTRY = ocp.type_handlers.create_type_handler_registry((_StreamedLeaf, _StreamedLeafHandler()))
 
 
+class _NoArrayMetadataStore(logging.Filter):
+    """Drops orbax's one warning that a registry without ``jax.Array`` does not persist ``ArrayMetadata``.
+
+    That metadata describes ``jax.Array`` shards (for subchunking); the streamed leaves have none and
+    are written region by region here, so the warning, logged by every save, says nothing to act on.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No jax.Array in TypeHandlerRegistry")
+
+
+_ARRAY_METADATA_NOTE = _NoArrayMetadataStore()
+
+
 def _pytree_handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's PyTree handler, writing plain zarr3 arrays (no OCDBT: each array is filled region by region)."""
-    return ocp.PyTreeCheckpointHandler(
-        use_ocdbt=False, use_zarr3=True, use_compression=False, type_handler_registry=_REGISTRY
-    )
+    absl_logger = logging.getLogger("absl")  # orbax logs through absl, whose Python logger this is
+    absl_logger.addFilter(_ARRAY_METADATA_NOTE)
+    try:
+        return ocp.PyTreeCheckpointHandler(
+            use_ocdbt=False, use_zarr3=True, use_compression=False, type_handler_registry=_REGISTRY
+        )
+    finally:
+        absl_logger.removeFilter(_ARRAY_METADATA_NOTE)
 
 
 class _Saved(NamedTuple):
@@ -429,8 +450,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         offloader = _offloader_of(args.offload)
         if offloader.plan is not None:
             raise OffloadError(
-                "OffloadRestore needs a fresh mlp_offload, but this one is initialised; create a new one (on empty "
-                "paths) and do not call its init: the restore does"
+                "OffloadRestore needs a fresh mlp_offload, but this one is initialised; create a new one (on the same "
+                "paths or empty ones) and do not call its init: the restore does"
             )
         saved = _saved(directory)
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(args.params))
@@ -504,7 +525,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         _placed(index, spec.shape, offloader.sharding.shardings[index], getattr(like, "sharding", None), blocks)
         for index, (spec, like) in enumerate(zip(plan.leaves, likes, strict=True))
     ]
-    return jax.tree_util.tree_unflatten(plan.treedef, placed)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_like), placed)
 
 
 def _placed(

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mlp.errors import OffloadError
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -51,14 +53,14 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     else:
         match = _SIZE_RE.match(str(value))
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(
+            raise OffloadError(
                 f"{name}={value!r} is not a size: write a number of bytes or a number with a unit "
                 "such as '256MiB', '8GiB' or '500MB'"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
     size = number * _UNITS[unit]
     if size < 0:
-        raise ValueError(f"{name}={value!r} must not be negative")
+        raise OffloadError(f"{name}={value!r} must not be negative: give a size of 0 or more, such as '256MiB'")
     return int(size)
 
 
@@ -77,7 +79,7 @@ def parse_rate(value: int | float | str | None, *, name: str = "rate") -> float 
     text = value.strip().removesuffix("/s") if isinstance(value, str) else value
     rate = float(parse_size(text, name=name))
     if rate <= 0:
-        raise ValueError(f"{name}={value!r} must be positive")
+        raise OffloadError(f"{name}={value!r} must be positive: give a rate such as '400MB/s', or None for none")
     return rate
 
 
@@ -101,7 +103,10 @@ def _normalise_location(location: str | os.PathLike | dict) -> str | dict:
     """An absolute directory, or a tensorstore kvstore spec (a dict with a ``driver``) as given."""
     if isinstance(location, dict):
         if "driver" not in location:
-            raise ValueError(f"path {location!r} is a dict but not a tensorstore kvstore spec: it needs a 'driver'")
+            raise OffloadError(
+                f"path {location!r} is a dict but not a tensorstore kvstore spec: it needs a 'driver', "
+                "e.g. {'driver': 'file', 'path': '/nvme/run'}"
+            )
         return dict(location)
     return os.path.abspath(os.path.expanduser(os.fspath(location)))
 
@@ -213,6 +218,11 @@ class OffloadConfig:
         arrays or ``jax.ShapeDtypeStruct``s, e.g. ``{"value": jax.ShapeDtypeStruct((), jnp.float32)}``
         for a loss: ``init`` checks the optimizer with them, and ``update(..., value=loss)`` passes
         them to every subgroup alike. Stored as sorted ``(name, ShapeDtypeStruct)`` pairs.
+      accumulate_steps: gradient accumulation over this many ``update`` calls, as ``optax.MultiSteps``
+        around the inner optimizer: calls 1..k-1 fold the grads into a running mean held in the
+        ``OffloadState`` and return zero updates (their idle time reads the state ahead); call k
+        streams the state once, with the mean. 1 (the default) updates on every call. Eager only.
+      accumulator_dtype: the floating dtype of that running mean of the grads, ``float32`` by default.
     """
 
     paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path
@@ -260,48 +270,83 @@ class OffloadConfig:
 
     def _validate(self) -> None:
         if not self.paths:
-            raise ValueError("paths is empty: give at least one directory for the offloaded state")
+            raise OffloadError("paths is empty: give at least one directory for the offloaded state")
         seen: dict[str, str] = {}
         for path in self.paths:
             if path.identity in seen:
-                raise ValueError(
+                raise OffloadError(
                     f"path {path.name!r} is given twice (it is the same storage as {seen[path.identity]!r}); "
                     "list each storage directory once"
                 )
             seen[path.identity] = path.name
         if self.host_cache < 0:
-            raise ValueError(f"host_cache must not be negative, got {self.host_cache}")
+            raise OffloadError(
+                f"host_cache must not be negative, got {self.host_cache}: give 0 for no cache, or a size"
+            )
+        _check_host_cache(self.host_cache)
         if self.subgroup_size <= 0:
-            raise ValueError(f"subgroup_size must be positive, got {self.subgroup_size}")
+            raise OffloadError(
+                f"subgroup_size must be positive, got {self.subgroup_size}: give the bytes of state to stream at "
+                "once, such as '64MiB' (the default)"
+            )
         if self.order not in ("alternate", "ascending"):
-            raise ValueError(f"order must be 'alternate' or 'ascending', got {self.order!r}")
+            raise OffloadError(f"order must be 'alternate' or 'ascending', got {self.order!r}: pass one of those")
         if self.placement not in ("bandwidth", "round_robin"):
-            raise ValueError(f"placement must be 'bandwidth' or 'round_robin', got {self.placement!r}")
+            raise OffloadError(
+                f"placement must be 'bandwidth' or 'round_robin', got {self.placement!r}: pass one of those"
+            )
         if self.flush not in ("idle", "lazy"):
-            raise ValueError(f"flush must be 'idle' or 'lazy', got {self.flush!r}")
+            raise OffloadError(f"flush must be 'idle' or 'lazy', got {self.flush!r}: pass one of those")
         for name in ("prefetch_depth", "write_depth", "max_inflight"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise OffloadError(f"{name} must be at least 1, got {getattr(self, name)}: pass 1 or more")
         for name in ("io_timeout", "peer_timeout"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise OffloadError(f"{name} must be positive, got {getattr(self, name)}: pass a number of seconds")
         if self.master_dtype is not None and not jnp.issubdtype(self.master_dtype, jnp.floating):
-            raise ValueError(f"master_dtype must be a floating dtype such as jnp.float32, got {self.master_dtype}")
+            raise OffloadError(
+                f"master_dtype must be a floating dtype, got {self.master_dtype}: pass jnp.float32, or None for no "
+                "master copy"
+            )
         steps = self.accumulate_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise ValueError(f"accumulate_steps must be a whole number of calls, at least 1, got {steps!r}")
-        if not jnp.issubdtype(self.accumulator_dtype, jnp.floating):
-            raise ValueError(
-                f"accumulator_dtype must be a floating dtype such as jnp.float32, got {self.accumulator_dtype}"
+            raise OffloadError(
+                f"accumulate_steps must be a whole number of calls, at least 1, got {steps!r}: pass an int such as 4, "
+                "or 1 for no accumulation"
             )
-
-    @classmethod
-    def create(cls, paths: Any, **options: Any) -> OffloadConfig:
-        """The same as ``OffloadConfig(paths, **options)``, kept for code written against version 0.1."""
-        return cls(paths, **options)
+        if not jnp.issubdtype(self.accumulator_dtype, jnp.floating):
+            raise OffloadError(
+                f"accumulator_dtype must be a floating dtype, got {self.accumulator_dtype}: pass jnp.float32 (the "
+                "default) or jnp.bfloat16"
+            )
 
     @classmethod
     def options_doc(cls) -> str:
         """The "Attributes" section of this docstring: the options' documentation, for ``mlp_offload``'s."""
         text = inspect.cleandoc(cls.__doc__ or "")
         return text[text.index("Attributes:\n") + len("Attributes:\n") :]
+
+
+def total_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_host_cache(host_cache: int) -> None:
+    """Refuses a host cache larger than this machine's physical memory: it could never be held.
+
+    Physical memory, not what is free now: the cache fills over the first updates, and what other
+    processes leave free changes as they come and go, so only a size that can never fit is refused.
+
+    Raises:
+      OffloadError: with both figures.
+    """
+    memory = total_memory()
+    if memory is not None and host_cache > memory:
+        raise OffloadError(
+            f"host_cache={format_bytes(host_cache)} is larger than this machine's memory ({format_bytes(memory)}); "
+            "give a cache that fits beside the process (a fraction of the memory), or host_cache=0 for none"
+        )

@@ -469,16 +469,26 @@ def _trace(inner: optax.GradientTransformationExtraArgs, params: Any, master_dty
 
 
 def _traced(what: str, trace: Callable[[], Any]) -> Any:
-    """``trace()``, with a failure reported as a refusal."""
+    """``trace()``, with a failure reported as a refusal, and the remedy that fits what failed."""
     try:
         return trace()
     except Exception as error:
-        first_line = (str(error).splitlines() or [""])[0]
+        detail = " ".join(str(error).split())
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        if what == "inner.init":  # it takes nothing but the params: no extra argument, no global transformation
+            remedy = (
+                "Most often a tree the optimizer holds (a mask=, multi_transform's labels) does not have the "
+                "structure of the params given to init, and plain optax's init would fail alike: build it from "
+                "those params, e.g. jax.tree.map(lambda p: p.ndim > 1, params)"
+            )
+        else:
+            remedy = (
+                "If it needs extra arguments, declare them: mlp_offload(..., extra_args={'value': "
+                "jax.ShapeDtypeStruct((), jnp.float32)}); only arrays can be passed on. Otherwise " + REMEDY
+            )
         raise OffloadError(
-            f"{what} could not be traced on the abstract param tree ({type(error).__name__}: {first_line}), so "
-            "mlp_offload cannot check that it gives the same math one subgroup of leaves at a time. If it needs "
-            "extra arguments, declare them: mlp_offload(..., extra_args={'value': jax.ShapeDtypeStruct((), "
-            f"jnp.float32)}}); only arrays can be passed on. Otherwise {REMEDY}"
+            f"{what} could not be traced on the abstract param tree ({type(error).__name__}: {detail}), so "
+            f"mlp_offload cannot check that it gives the same math one subgroup of leaves at a time. {remedy}"
         ) from error
 
 

@@ -66,7 +66,7 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
     if not named:
         devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
         if len(devices) > 1:
-            raise ValueError(
+            raise OffloadError(
                 "the params are on several devices, each leaf whole on one; update inside jit takes them on one "
                 "device or sharded over one mesh with NamedSharding: place them so, or call tx.update outside jit"
             )
@@ -74,7 +74,7 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
         return Mesh(np.array([device]), ("device",)), (P(),) * len(leaves)
     if len(named) < len(leaves):
         whole = next(path for path, leaf in zip(paths, leaves, strict=True) if not _spans_devices(leaf))
-        raise ValueError(
+        raise OffloadError(
             f"param {whole} is on one device while {named[0][0]} is sharded; update inside jit takes every leaf on "
             "one mesh: give it a NamedSharding on that mesh (P() replicates it), or call tx.update outside jit"
         )
@@ -82,7 +82,7 @@ def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P
     other = next((path for path, leaf in named if not isinstance(leaf.sharding, NamedSharding)), None)
     if other is not None or len(meshes) != 1:
         detail = f"param {other} has no NamedSharding" if other is not None else f"they use {len(meshes)} meshes"
-        raise ValueError(
+        raise OffloadError(
             f"update inside jit maps over the params' one mesh, but {detail}; shard every leaf with a NamedSharding "
             "on one mesh, or call tx.update outside jit"
         )
@@ -99,7 +99,7 @@ def _first_cpu_device() -> jax.Device:
     try:
         return jax.local_devices(backend="cpu")[0]
     except RuntimeError as error:  # JAX_PLATFORMS left the CPU backend out
-        raise ValueError(
+        raise OffloadError(
             "update inside jit runs on the host CPU backend, which jax has not started: include cpu in JAX_PLATFORMS "
             f"(e.g. JAX_PLATFORMS=cuda,cpu), or call tx.update outside jit ({error})"
         ) from error
@@ -118,7 +118,7 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
       mesh.
 
     Raises:
-      ValueError: the leaves are not on one mesh, or on a mesh of CPU devices that XLA's CPU runtime
+      OffloadError: the leaves are not on one mesh, or on a mesh of CPU devices that XLA's CPU runtime
         could not serve while every device waits in its callback.
     """
     mesh, specs = _mesh_of(paths, leaves)
@@ -130,7 +130,7 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
     else:
         spare = [d for d in jax.local_devices(backend="cpu") if d not in devices]
         if not spare:
-            raise ValueError(
+            raise OffloadError(
                 f"update inside jit on a mesh of all {len(devices)} CPU devices: the update runs on a CPU device "
                 "outside the mesh while the mesh's devices wait in their callbacks. Start with one more CPU device "
                 f"(XLA_FLAGS=--xla_force_host_platform_device_count={len(devices) + 1}) and build the mesh without "
@@ -139,7 +139,7 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
         host, needed = spare[0], 2 * len(devices) + 1  # a thread per waiting device, per transfer, and one
     threads = xla_cpu_threads()
     if threads < needed:
-        raise ValueError(
+        raise OffloadError(
             f"update inside jit on {len(devices)} CPU device(s) needs {needed} XLA CPU threads while the devices "
             f"wait in their callbacks, but XLA has {threads}; set NPROC={needed} in the environment "
             "before jax starts, or call tx.update outside jit"
@@ -267,10 +267,11 @@ class JitRoute:
         self._stream = stream
         self._failure: str | None = None
         self._unusable: str | None = None
+        self._announced = False
         self.layout: JitLayout | None = None
         try:
             self.layout = jit_layout([spec.path for spec in plan.leaves], leaves)
-        except ValueError as error:
+        except OffloadError as error:
             self._unusable = str(error)
             return
         devices = self.layout.mesh.local_devices
@@ -283,13 +284,37 @@ class JitRoute:
         """Traces one update as a host callback per device; returns the update leaves, sharded as the params.
 
         Raises:
-          ValueError: the params' layout cannot run inside jit; the message says what to change.
+          OffloadError: the params' layout cannot run inside jit; the message says what to change.
         """
         if self.layout is None:
-            raise ValueError(self._unusable)
+            raise OffloadError(self._unusable)
+        self._announce()
         shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
         out_blocks = [jax.ShapeDtypeStruct(shape, update_dtype(self._plan, i)) for i, shape in enumerate(shapes)]
         return host_update(self.layout, self._on_device, grads, params, step, uniform, out_blocks)
+
+    def _announce(self) -> None:
+        """Says once, on the ``jax_mlp`` logger, where a traced update runs and what the split step gains.
+
+        WARNING when the params live on an accelerator: there the split step keeps the update on the
+        device, while this route moves every step's grads, params and updates through the host and
+        runs the update on its CPU. INFO on CPU, where both routes run the update on the same CPU and
+        this one only adds the copies (1.25-2.9x the split step's time in ``benchmarks/routes.py``).
+        """
+        if self._announced:
+            return
+        self._announced = True
+        platform = self.layout.mesh.devices.flat[0].platform
+        logger.log(
+            logging.INFO if platform == "cpu" else logging.WARNING,
+            "mlp_offload: update was traced inside jit, so it runs on the host CPU (the params are on %s): each "
+            "step copies the grads, params and updates between the devices and the host and runs the whole update "
+            "on the CPU, and the first step compiles the update for the CPU. The split step is faster, most of all "
+            "on an accelerator: jit the loss and gradients, and call tx.update (nnx.Optimizer.update, "
+            "TrainState.apply_gradients) outside jit, where the update runs on the params' device. See "
+            "docs/usage.md, 'Which route runs where'",
+            platform,
+        )
 
     def _on_device(
         self, step: np.ndarray, device_index: np.ndarray, uniform: Uniform, *blocks: np.ndarray

@@ -14,6 +14,11 @@ a network link to a PFS). The update takes the slowest path's time (or the compu
 The scheduler splits subgroups with :func:`best_split`, so the plan and the run agree. Each path
 starts at the bandwidths it declares, or that the probe measures (:func:`starting_speed`), and the
 scheduler corrects them with what it measures while running.
+
+``jax-mlp plan`` sizes a whole run around that update (:class:`Workload`): the bytes on each device
+(:func:`device_memory`), the host RAM of each node (:func:`host_memory`), the update's floor when no
+storage I/O is on its path (:func:`link_seconds`) and the forward and backward from FLOPs
+(:func:`flops_seconds`).
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from jax_mlp.config import Path
+from jax_mlp.storage.buffers import POOL_BYTES
 from jax_mlp.storage.probe import ProbeResult, probe
 
 DEFAULT_BANDWIDTH = 1e9
 """Bytes/s assumed for a path with nothing declared, probed or capped: measurement corrects it."""
 INIT_PROBE_BYTES = 64 * 1024**2
 """Bytes the probe moves on each path at ``init`` when asked to (the ``probe`` option)."""
+PROCESS_BYTES = 2 * 1024**3
+"""Host RAM assumed for one training process's own runtime (Python, JAX, XLA's host buffers): an assumption."""
 
 
 class PathSpeed(NamedTuple):
@@ -60,7 +68,11 @@ class PathSpeed(NamedTuple):
 
 
 class Prediction(NamedTuple):
-    """What the model predicts for one update."""
+    """What the model predicts for one update.
+
+    ``idle_io_seconds`` is the I/O the update leaves to the idle time around it (the write-back of the
+    cache, the first reads ahead): it has to fit in the forward and backward, or the update waits.
+    """
 
     seconds: float
     shares: tuple[float, ...]
@@ -68,6 +80,7 @@ class Prediction(NamedTuple):
     bytes_written: tuple[float, ...]
     path_seconds: tuple[float, ...]
     idle_write_bytes: float
+    idle_io_seconds: float = 0.0
 
 
 def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
@@ -130,6 +143,7 @@ def predict(
     processes_per_node: int = 1,
     contention: float = 1.0,
     prefetch_records: int = 0,
+    write_back: bool = True,
 ) -> Prediction:
     """Predicts one update's time and traffic.
 
@@ -147,6 +161,8 @@ def predict(
         (1.0 with the lock: they take turns at full speed).
       prefetch_records: how many of the update's first reads ran in the idle time before it
         (``prefetch_depth`` with ``idle_prefetch``): they leave its critical path for the idle time.
+      write_back: whether the cached records are written back between updates (``flush="idle"``);
+        with ``flush="lazy"`` they are written only when evicted.
 
     Returns:
       The prediction: time, split, and bytes per path per process.
@@ -154,6 +170,7 @@ def predict(
     shares = tuple(shares) if shares is not None else best_split(paths)
     cached = int(cache_bytes // record_bytes) if record_bytes else 0
     reads, writes, idle = critical_records(num_records, cached, alternate=alternate)
+    idle = idle if write_back else 0
     early = min(reads, prefetch_records)
     factor = processes_per_node / (contention if processes_per_node > 1 else 1.0)
     bytes_read = tuple(s * reads * record_bytes for s in shares)
@@ -171,7 +188,9 @@ def predict(
     if reads and not early:
         fill += record_bytes / min(p.read_bandwidth for p in used)
     seconds = max(max(path_seconds), compute_seconds) + fill + max(0.0, idle_seconds_needed - idle_seconds)
-    return Prediction(seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes)
+    return Prediction(
+        seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed
+    )
 
 
 class Variant(NamedTuple):
@@ -210,12 +229,13 @@ def predict_variant(
     compute_seconds: float = 0.0,
     idle_seconds: float = math.inf,
     prefetch_depth: int = 1,
+    write_back: bool = True,
 ) -> Prediction:
     """The prediction for one ablation variant.
 
     The baseline uses the first path with no cache; without ``balanced`` the split is equal
     (a fixed ratio, as in the paper) and nothing is prefetched in idle time; with it, the first
-    ``prefetch_depth`` reads of the update are.
+    ``prefetch_depth`` reads of the update are. ``write_back`` is as for :func:`predict`.
     """
     used = tuple(paths) if variant.multipath else tuple(paths[:1])
     return predict(
@@ -230,4 +250,177 @@ def predict_variant(
         processes_per_node=processes_per_node,
         contention=1.0 if variant.node_lock else contention,
         prefetch_records=prefetch_depth if variant.balanced else 0,
+        write_back=write_back,
     )
+
+
+class Workload(NamedTuple):
+    """A training run as ``jax-mlp plan`` sizes it: the model, how it is spread, and how its state streams.
+
+    The params (and grads) are taken as sharded over every device (FSDP), and the offloaded state over
+    every process, as ``mlp_offload`` splits it.
+
+    Attributes:
+      params: parameters of the model.
+      param_bytes: bytes of one param, and of its gradient, on the device: 2 for bf16, 4 for fp32.
+      update_bytes: bytes of one element of the updates ``update`` returns: the master's with one.
+      state_bytes_per_param: offloaded bytes per param: the inner state as stored, plus a master copy.
+      nodes: nodes the run spans.
+      processes_per_node: processes of a node, sharing its paths and its host RAM.
+      devices_per_node: accelerators of a node.
+      subgroup_bytes: ``subgroup_size``: bytes of state (and master) streamed at once.
+      prefetch_depth: ``prefetch_depth``: records read ahead of the one being updated.
+      write_depth: ``write_depth``: records whose writes may trail behind.
+    """
+
+    params: float
+    param_bytes: int
+    update_bytes: int
+    state_bytes_per_param: float
+    nodes: int
+    processes_per_node: int
+    devices_per_node: int
+    subgroup_bytes: int
+    prefetch_depth: int
+    write_depth: int
+
+    @property
+    def devices(self) -> int:
+        """Accelerators of the whole run."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def state_bytes(self) -> float:
+        """Offloaded bytes of one process."""
+        return self.params * self.state_bytes_per_param / (self.nodes * self.processes_per_node)
+
+    @property
+    def num_records(self) -> int:
+        """Records (subgroups) of one process."""
+        return records(self.state_bytes, self.subgroup_bytes)[0]
+
+    @property
+    def record_bytes(self) -> float:
+        """Bytes of one record: a subgroup, or the whole state of a process that holds less."""
+        return min(self.subgroup_bytes, self.state_bytes)
+
+
+class DeviceMemory(NamedTuple):
+    """Bytes on one device: what it holds through the step, and what an update adds on top, by route.
+
+    Attributes:
+      params: the device's shard of the params.
+      grads: its shard of the gradients, in the params' dtype.
+      optax_route: the peak ``update`` followed by ``optax.apply_updates`` adds.
+      fused_apply: the peak the fused ``apply`` adds.
+    """
+
+    params: float
+    grads: float
+    optax_route: float
+    fused_apply: float
+
+
+def device_memory(work: Workload) -> DeviceMemory:
+    """What one device holds during a step (activations left out).
+
+    The optax route holds the tree of updates (the master's dtype when there is one: fp32 updates of
+    bf16 params take twice their bytes), plus the larger of the records on the device while the update
+    streams (``prefetch_depth + write_depth + 1``: read ahead, computing, being written back) and the
+    new params that ``optax.apply_updates`` makes beside the old. The fused ``apply`` donates the params
+    and frees each gradient after its last subgroup, so it adds only the records of the subgroup
+    computing (its state in and out) and of the writes in flight: ``write_depth + 2``. In
+    docs/efficiency.md's measured setup (64 MiB of bf16 params, 8 MiB subgroups, an fp32 master) this
+    gives 3.0× and 0.5× the params, against 2.83× (4.0× on the first step) and 0.5–0.58× measured.
+
+    Args:
+      work: the run.
+
+    Returns:
+      The bytes per device.
+    """
+    params = work.params / work.devices * work.param_bytes
+    streaming = (work.prefetch_depth + work.write_depth + 1) * work.record_bytes
+    updates = work.params / work.devices * work.update_bytes
+    return DeviceMemory(
+        params=params,
+        grads=params,
+        optax_route=updates + max(streaming, params),
+        fused_apply=(work.write_depth + 2) * work.record_bytes,
+    )
+
+
+class HostMemory(NamedTuple):
+    """Bytes of host RAM on one node, by what holds them.
+
+    Attributes:
+      cache: the host cache, as much of it as the node's state fills.
+      in_flight: records being read or written: ``prefetch_depth + write_depth`` per process, plus one
+        dirty record being evicted.
+      staging: the record buffer pool each process keeps for reuse (at most ``POOL_BYTES``); an upper
+        bound, since the records in flight may be its buffers.
+      processes: the processes' own runtime, :data:`PROCESS_BYTES` each: an assumption.
+    """
+
+    cache: float
+    in_flight: float
+    staging: float
+    processes: float
+
+    @property
+    def total(self) -> float:
+        """All of it."""
+        return self.cache + self.in_flight + self.staging + self.processes
+
+
+def host_memory(work: Workload, cache_bytes: float) -> HostMemory:
+    """The host RAM one node needs for the offload.
+
+    Args:
+      work: the run.
+      cache_bytes: the host cache of one process (``host_cache``).
+
+    Returns:
+      The bytes per node.
+    """
+    per_node = work.processes_per_node
+    return HostMemory(
+        cache=per_node * min(cache_bytes, work.state_bytes),
+        in_flight=per_node * (work.prefetch_depth + work.write_depth + 1) * work.record_bytes,
+        staging=per_node * min(POOL_BYTES, work.state_bytes),
+        processes=per_node * PROCESS_BYTES,
+    )
+
+
+def link_seconds(work: Workload, link_bandwidth: float) -> float:
+    """The update's floor with no storage I/O on its path: each process's state crossing its devices' links.
+
+    Every update moves the whole state to the device and back; the two directions run at once, and a
+    process driving several devices uses all their links. The update's own arithmetic (a few bytes per
+    param at the device's memory bandwidth) is far below this and left out.
+
+    Args:
+      work: the run.
+      link_bandwidth: host-device bytes/s of one device, each way (PCIe).
+
+    Returns:
+      Seconds.
+    """
+    links = max(1, work.devices_per_node // work.processes_per_node)
+    return work.state_bytes / (links * link_bandwidth)
+
+
+def flops_seconds(params: float, tokens: float, devices: int, flops: float, mfu: float) -> float:
+    """Forward and backward time of one step from its arithmetic: ``6 × params × tokens / (devices × flops × mfu)``.
+
+    Args:
+      params: parameters of the model.
+      tokens: tokens of one step, over all devices.
+      devices: accelerators of the run.
+      flops: peak FLOP/s of one device.
+      mfu: the fraction of the peak the model reaches.
+
+    Returns:
+      Seconds.
+    """
+    return 6 * params * tokens / (devices * flops * mfu)

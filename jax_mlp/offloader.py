@@ -149,9 +149,10 @@ class Offloader(ClosesOnExit):
         return self._planned(params).plan
 
     def _planned(self, params: Any) -> _Planned:
-        params = inputs.as_arrays(params)
         inputs.check_has_leaves(params)
+        inputs.check_float_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
+        inputs.check_master_dtype(leaves, self.config.master_dtype)
         key = (jax.tree_util.tree_structure(params), tuple(_signature(x) for x in leaves))
         if self._last_plan is None or self._last_plan.key != key:
             self._last_plan = _plan(self.inner, self.config, params, key)
@@ -165,16 +166,19 @@ class Offloader(ClosesOnExit):
         can simply be retried.
         """
         if self.resume:
-            return self._initialise(params, self._resume)
+            return self._initialise(params, self._resume, "resume")
 
         def write_initial_state(live: Run, leaves: list[Any]) -> None:
             leaves = [jnp.asarray(x) for x in leaves]
             live.stream.write_initial_state(live.sharding.block_map(leaves), live.sharding.devices(live.plan, leaves))
 
-        return self._initialise(params, write_initial_state)
+        return self._initialise(params, write_initial_state, "init")
 
     def init_from(self, params: Any, step: int, load: Callable[[int], tuple]) -> OffloadState:
         """Like :meth:`init`, but the tiers start at ``step`` with a given state (a checkpoint restore).
+
+        The paths may hold no run, or this run (the same layout hash): restoring is the user's choice,
+        so its state is discarded, with a warning naming the step it held.
 
         Args:
           params: the params, or their ``jax.ShapeDtypeStruct``s: only shapes and dtypes are used.
@@ -188,10 +192,13 @@ class Offloader(ClosesOnExit):
         """
         if self.resume:
             raise OffloadError("init_from writes a fresh state: create the mlp_offload without resume=True")
-        return self._initialise(params, lambda live, _: live.stream.write_restored_state(step, load))
+        return self._initialise(params, lambda live, _: live.stream.write_restored_state(step, load), "restore")
 
-    def _initialise(self, params: Any, populate: Callable[[Run, list[Any]], None]) -> OffloadState:
-        """Plans, opens the tiers, fills them with ``populate``, marks the paths."""
+    def _initialise(
+        self, params: Any, populate: Callable[[Run, list[Any]], None], intent: resume.Intent
+    ) -> OffloadState:
+        """Plans, opens the tiers, checks what they hold against ``intent``, fills them with ``populate``,
+        marks the paths."""
         accumulation.refuse_multisteps()
         if inputs.is_traced(params):
             raise OffloadError(
@@ -208,14 +215,14 @@ class Offloader(ClosesOnExit):
         )
         stream = None
         try:
-            resume.check_paths(paths, plan, resume=self.resume)
+            resume.check_paths(paths, plan, config.subgroup_size, intent=intent)
             stream = _open_stream(self.inner, config, plan, paths, self._run_key, self.on_stats, planned.notes)
             jit = JitRoute(plan, planned.sharding, planned.leaves, stream, config.peer_timeout)
             calls = CallChecks(self.inner, plan, stream.programs, config.accumulate_steps, config.extra_args)
             live = Run(config, plan, planned.sharding, stream, jit, calls)
             populate(live, planned.leaves)
             for path in paths:
-                path.write_run_file(resume.run_identity(plan))
+                path.write_run_file(resume.run_identity(plan, config.subgroup_size))
             if jax.process_count() > 1:
                 peers.barrier(f"{self._run_key}/init", config.peer_timeout, "the end of init")
         except BaseException:
@@ -232,9 +239,8 @@ class Offloader(ClosesOnExit):
         if self.config.accumulate_steps == 1:
             return OffloadState(step, shared)
         window = accumulation.empty_window(params, self.config.accumulator_dtype)
-        return OffloadState(
-            step, shared, window.mini_step, jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
-        )
+        acc_grads = jax.tree_util.tree_unflatten(inputs.bare_treedef(plan.treedef), window.acc_grads)
+        return OffloadState(step, shared, window.mini_step, acc_grads)
 
     def _resume(self, live: Run, _: list[Any]) -> None:
         step, locations = resume.last_complete_step(

@@ -49,8 +49,8 @@ class Update(NamedTuple):
       per_path: for each of ``bytes_read``, ``bytes_written``, ``read_busy_s``, ``write_busy_s`` and
         ``placement``, the value per path.
       events: the timed reads, computes and writes, relative to the start of the call.
-      bandwidth: the scheduler's estimate per path after the call (``{"read": bytes/s, "write": bytes/s}``),
-        if the log has one.
+      bandwidth: the scheduler's estimate per path after the call (``{"read": bytes/s, "write": bytes/s}``:
+        declared, probed, capped or measured while running), if the log has one.
       moves: subgroups the scheduler moved after the call (0 in logs from before it was logged).
       fallback: whether the scheduler had fallen back to the fastest path alone.
     """
@@ -255,7 +255,10 @@ def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
             ]
             estimates = [u.bandwidth.get(path, {}).get(kind, float("nan")) / 1e6 for u in updates]
             known = [e for e in estimates if e == e]
-            label = f"p{i} {kind} (estimate {known[-1]:,.0f})" if known else f"p{i} {kind}"
+            reference, what = (
+                (known[-1], "estimate") if known else (max((r for r in rates if r == r), default=0), "max")
+            )
+            label = f"p{i} {kind} ({what} {reference:,.0f})"
             if window > 1:
                 ax.plot(steps, rates, style, color=f"C{i}", lw=0.6, alpha=0.3)
             ax.plot(steps, _smooth(rates, window), style, color=f"C{i}", lw=1.6, label=label)
@@ -263,7 +266,9 @@ def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
                 ax.plot(steps, estimates, "--", color=f"C{i}", lw=0.8, alpha=0.6, drawstyle="steps-post")
     ax.set_xlabel("step")
     ax.set_ylabel(f"MB/s while busy{f' (mean of {window} steps)' if window > 1 else ''}")
-    ax.legend(fontsize="small", ncols=2, title="dashed: the scheduler's estimate", title_fontsize="small")
+    ax.legend(
+        fontsize="small", ncols=2, title="dashed: the scheduler's estimate, else the best seen", title_fontsize="small"
+    )
     last = updates[-1].bandwidth
     estimates = ", ".join(
         f"p{i} {last[path]['read'] / 1e6:,.0f}/{last[path]['write'] / 1e6:,.0f}"

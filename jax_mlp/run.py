@@ -46,7 +46,7 @@ class Run(NamedTuple):
     calls: CallChecks
 
     def update(self, updates: Any, state: OffloadState, params: Any, extra_args: dict) -> tuple[Any, OffloadState]:
-        """``Offloader.update``: the updates, with the params' tree, and the new handle."""
+        """``Offloader.update``: the updates, in the grads' tree as given, and the new handle."""
         call = self.calls.check("update", updates, state, params, extra_args)
         if call.traced:
             leaves, state = self._update_in_jit(call, state)
@@ -55,7 +55,7 @@ class Run(NamedTuple):
         else:
             leaves, step, shared = self._stream(call, call.grads, state.step)
             state = OffloadState(step, shared)
-        return jax.tree_util.tree_unflatten(self.plan.treedef, leaves), state
+        return jax.tree_util.tree_unflatten(call.grads_tree, leaves), state
 
     def _update_in_jit(self, call: Call, state: OffloadState) -> tuple[list, OffloadState]:
         """Traces the update as the in-jit route's host callbacks (see :mod:`jax_mlp.in_jit`).
@@ -96,7 +96,7 @@ class Run(NamedTuple):
         else:
             leaves, step, shared = self._stream(call, means, state.step)
             window = accumulation.empty_window(carried.acc_grads, config.accumulator_dtype)
-        acc_grads = jax.tree_util.tree_unflatten(plan.treedef, window.acc_grads)
+        acc_grads = jax.tree_util.tree_unflatten(inputs.bare_treedef(plan.treedef), window.acc_grads)
         return leaves, OffloadState(step, shared, window.mini_step, acc_grads)
 
     def _stream(self, call: Call, grads: list, step: jax.Array) -> tuple[list, jax.Array, Any]:
@@ -107,7 +107,7 @@ class Run(NamedTuple):
         return self.sharding.assemble(self.plan, results), jnp.asarray(self.stream.step, jnp.int32), new_shared
 
     def apply(self, grads: Any, state: OffloadState, params: Any, extra_args: dict) -> tuple[Any, OffloadState]:
-        """``Offloader.apply``: the new params, written over the donated old ones, and the new handle."""
+        """``Offloader.apply``: the new params, written over the donated old ones in their tree, and the new handle."""
         call = self.calls.check("apply", grads, state, params, extra_args)
         _refuse_to_apply(call, self.config.accumulate_steps)
         inputs.check_distinct(self.plan, call.grads, call.params)
@@ -118,7 +118,7 @@ class Run(NamedTuple):
         new_leaves = self.sharding.assemble(self.plan, self.stream.run_step(int(state.step), blocks, LATE_PUT, results))
         for leaf in call.params:  # the replicas an owner's new block was copied to
             leaf.delete()
-        new_params = jax.tree_util.tree_unflatten(self.plan.treedef, new_leaves)
+        new_params = jax.tree_util.tree_unflatten(call.params_tree, new_leaves)
         return new_params, OffloadState(jnp.asarray(self.stream.step, jnp.int32), new_shared)
 
 

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jax_mlp.config import format_bytes
+from jax_mlp.errors import OffloadError
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = threading.local()
@@ -315,7 +316,7 @@ class StatsLog:
       append: keep the lines already in the file (a resumed run); otherwise the file starts empty.
 
     Raises:
-      ValueError: if the file cannot be created or written.
+      OffloadError: if the file cannot be created or written.
     """
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False):
@@ -326,7 +327,10 @@ class StatsLog:
             with open(self.path, "a" if append else "w", encoding="utf-8"):
                 pass
         except OSError as error:
-            raise ValueError(f"log_to={self.path!r} cannot be written ({error.strerror})") from error
+            raise OffloadError(
+                f"log_to={self.path!r} cannot be written ({error.strerror}): give a file in a writable directory, "
+                "or log_to=None"
+            ) from error
 
     def __call__(self, stats: UpdateStats) -> None:
         with open(self.path, "a", encoding="utf-8") as f:

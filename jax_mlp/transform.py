@@ -87,14 +87,22 @@ def mlp_offload(
         leaf (adam, adamw, lion, sgd, rmsprop, ...): ``init`` checks it, and raises
         :class:`~jax_mlp.CoupledOptimizerError` for one that reads across leaves. Leaves whose rows
         it mixes (adafactor, lamb, lars, muon) are never split.
+    {options}
       resume: reopen the tiers at their last complete step instead of writing a fresh initial state.
       on_stats: called with the :class:`UpdateStats` of each update and of a fresh (not resumed) init,
         e.g. to log them; an exception it raises is logged, never raised.
       log_to: a file to which one JSON line is written per ``init`` and ``update`` (timings, bytes
         and busy time per path, cache hits, placement, and the timed reads, computes and writes);
         emptied first unless ``resume``. ``jax-mlp report`` plots it.
-      **options: the fields of :class:`OffloadConfig`, ``paths`` required:
-    {options}
+
+    The options from ``paths`` to ``accumulator_dtype`` are the fields of :class:`OffloadConfig`,
+    validated there; ``paths`` is required.
+
+    Trees come back as they went in: ``update`` returns the updates in the grads' tree and ``apply``
+    the params in theirs (NNX ``Variable``s, ``FrozenDict``s and other pytree nodes kept), as plain
+    optax does; masks and other trees the inner optimizer holds may be built from the params given to
+    ``init``. Called inside ``jax.jit``, ``update`` runs on the host CPU and says so once on the
+    ``jax_mlp`` logger; the split step (jitted grads, eager ``update``) keeps it on the device.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init`` returns an :class:`OffloadState` and
@@ -129,5 +137,5 @@ def _signature() -> inspect.Signature:
 
 mlp_offload.__signature__ = _signature()
 mlp_offload.__doc__ = mlp_offload.__doc__.replace(
-    "    {options}\n", "".join(f"      {line}\n" for line in OffloadConfig.options_doc().splitlines())
+    "    {options}\n", "".join(f"    {line}\n" for line in OffloadConfig.options_doc().splitlines())
 )

@@ -1,4 +1,4 @@
-"""Shared helpers: the mixed test tree, reference optax runs, comparisons of bits, and a real tmpfs."""
+"""Shared fixtures and data: the mixed test tree, reference optax runs, a real tmpfs (the contract: helpers.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -119,32 +118,6 @@ def run_offload(inner, params, steps: int, paths, *, reopen_at: int | None = Non
     stats = tx.stats
     tx.close()
     return params, stats
-
-
-def max_relative_deviation(actual, expected) -> dict[str, float]:
-    """Per leaf: max|actual - expected| / max|expected|."""
-    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
-    flat_e = jax.tree.leaves(expected)
-    out = {}
-    for (path, a), e in zip(flat_a, flat_e, strict=True):
-        a64, e64 = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        out[jax.tree_util.keystr(path)] = float(np.max(np.abs(a64 - e64)) / max(np.max(np.abs(e64)), 1e-30))
-    return out
-
-
-def as_bits(tree) -> list[np.ndarray]:
-    """Each leaf's raw bits as unsigned integers, so NaNs and signed zeros compare exactly."""
-
-    def bits(x):
-        x = np.asarray(x)
-        return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
-
-    return [bits(x) for x in jax.tree.leaves(tree)]
-
-
-def assert_same_bits(a, b, message: str = "") -> None:
-    for x, y in zip(as_bits(a), as_bits(b), strict=True):
-        np.testing.assert_array_equal(x, y, err_msg=message)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -10,20 +9,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import load_module
 
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import their shared module, as when run as scripts
-
-
-def load(path: pathlib.Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_ablation_benchmark_writes_json_and_png(tmp_path):
-    ablation = load(ROOT / "benchmarks" / "ablation.py")
+    ablation = load_module(ROOT / "benchmarks" / "ablation.py")
     result = ablation.main(
         [
             "--state",
@@ -76,7 +68,7 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 
 
 def test_efficiency_benchmark_writes_json_and_png(tmp_path):
-    efficiency = load(ROOT / "benchmarks" / "efficiency.py")
+    efficiency = load_module(ROOT / "benchmarks" / "efficiency.py")
     result = efficiency.main(["--smoke", "--out", str(tmp_path)])
     written = json.loads((tmp_path / "efficiency.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -97,7 +89,7 @@ def test_efficiency_benchmark_writes_json_and_png(tmp_path):
 
 
 def test_check_cost_benchmark_writes_json(tmp_path):
-    check_cost = load(ROOT / "benchmarks" / "check_cost.py")
+    check_cost = load_module(ROOT / "benchmarks" / "check_cost.py")
     result = check_cost.main(
         ["--layers", "2", "--width", "8", "--vocab", "16", "--repeats", "1", "--out", str(tmp_path)]
     )
@@ -110,7 +102,7 @@ def test_check_cost_benchmark_writes_json(tmp_path):
 
 
 def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
-    bench = load(ROOT / "benchmarks" / "state_codecs.py")
+    bench = load_module(ROOT / "benchmarks" / "state_codecs.py")
     result = bench.main(["--steps", "30", "--out", str(tmp_path / "codecs.json")])
     assert json.loads((tmp_path / "codecs.json").read_text()) == result
     assert set(result["nu_maps"]) == set(bench.NU_MAPS)
@@ -121,7 +113,7 @@ def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
 
 def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the update's path is a temporary directory here
-    checksum = load(ROOT / "benchmarks" / "checksum.py")
+    checksum = load_module(ROOT / "benchmarks" / "checksum.py")
     result = checksum.main(["--buffer", "1MiB", "--state", "2MiB", "--updates", "1", "--rounds", "1"])
     assert {"zlib.crc32", "isal.isal_zlib.crc32"} <= set(result["gb_per_s"])
     assert set(result["update_cpu_s"]) == {"zlib", "isal"} and result["update_cpu_ratio_isal_over_zlib"] > 0
@@ -131,7 +123,7 @@ def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path,
 
 
 def test_accumulation_benchmark_writes_json(tmp_path):
-    accumulation = load(ROOT / "benchmarks" / "accumulation.py")
+    accumulation = load_module(ROOT / "benchmarks" / "accumulation.py")
     options = ["--state", "2MiB", "--subgroup-size", "256KiB", "--cap", "400MB/s", "--updates", "2", "--idle", "0"]
     result = accumulation.main([*options, "--out", str(tmp_path), "--dir", str(tmp_path / "tiers")])
     written = json.loads((tmp_path / "accumulation.json").read_text())
@@ -139,3 +131,11 @@ def test_accumulation_benchmark_writes_json(tmp_path):
     assert written["same_bytes_per_update"] and written["update_time_ratio"] > 0
     assert [len(written[run]["updates"]) for run in ("single", "accumulated")] == [2, 2]
     assert written["accumulated"]["accumulate_steps"] == 4
+
+
+def test_routes_benchmark_times_the_split_step_the_in_jit_route_and_plain_optax(tmp_path):
+    routes = load_module(ROOT / "benchmarks" / "routes.py")
+    result = routes.main(["--width", "32", "--layers", "2", "--steps", "3", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "routes.json").read_text()) == result
+    assert set(result["routes"]) == {"split", "in_jit", "plain"} and result["params"] == 2 * (32 * 32 + 32)
+    assert all(r["first_step_s"] > 0 and r["median_step_s"] > 0 for r in result["routes"].values())

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
-from conftest import assert_same_bits, make_params, train
+from conftest import make_params, train
+from helpers import assert_same_bits
 
 import jax_mlp
 from jax_mlp.storage.paths import open_path
@@ -177,7 +179,101 @@ def test_restore_params_checks_the_tree_it_is_given(tmp_path):
     params = make_params(dtype=jnp.bfloat16)
     tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], **OPTIONS)
     tx.init(params)
-    with pytest.raises(ValueError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
         jax_mlp.restore_params(tx, dict(params, embed=params["embed"].astype(jnp.float32)))
     assert_same_bits(jax_mlp.restore_params(tx, params), params)
     tx.close()
+
+
+# The "Restart after a crash" recipe of docs/checkpoints.md, as a script run twice on the same paths.
+RECIPE_STEPS, SAVE_EVERY, RECIPE_KILLED_AT = 8, 3, 4
+RECIPE = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import jax, numpy as np, optax, orbax.checkpoint as ocp
+    import jax_mlp
+    from conftest import grads_at, make_params
+    from test_crash import RECIPE_STEPS, SAVE_EVERY
+
+    root = sys.argv[2]
+    offload = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[f"{root}/nvme", f"{root}/pfs"], subgroup_size="32KiB")
+    manager = ocp.CheckpointManager(f"{root}/ckpt")
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_params())
+    start = manager.latest_step()  # the last checkpoint's step, None before the first
+    if start is None:
+        start, params = 0, make_params()
+        state = offload.init(params)
+    else:  # restored onto the same paths: the state the tiers hold after the crash is replaced
+        args = {"params": ocp.args.StandardRestore(like), "opt_state": jax_mlp.OffloadRestore(offload, like)}
+        restored = manager.restore(start, args=ocp.args.Composite(**args))
+        params, state = restored["params"], restored["opt_state"]
+    for step in range(start, RECIPE_STEPS):
+        updates, state = offload.update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+        if (step + 1) % SAVE_EVERY == 0:
+            saved = ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(offload))
+            manager.save(step + 1, args=saved)
+    manager.wait_until_finished()
+    offload.close()
+    np.savez(f"{root}/params.npz", *jax.tree.leaves(params))
+    """
+)
+KILL_IN_RECIPE = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import orbax.checkpoint as ocp
+    import jax_mlp
+    from jax_mlp.storage.paths import PathStore
+    from test_crash import RECIPE, RECIPE_KILLED_AT
+
+    save, write, init = ocp.CheckpointManager.save, PathStore.write, jax_mlp.Offloader.init
+    writes, subgroups = [], None
+
+    def saved(self, *args, **kwargs):  # the checkpoint is whole before the kill
+        done = save(self, *args, **kwargs)
+        self.wait_until_finished()
+        return done
+
+    def writing(self, subgroup, slot, record):
+        if subgroups is not None:  # counts the updates' writes; without a host cache, one per subgroup
+            writes.append(subgroup)
+        if subgroups is not None and len(writes) == subgroups * RECIPE_KILLED_AT + subgroups // 2:
+            write(self, subgroup, slot, record)
+            os.kill(os.getpid(), signal.SIGKILL)  # inside update RECIPE_KILLED_AT, half its records written
+        return write(self, subgroup, slot, record)
+
+    def initialised(self, params):
+        global subgroups
+        state = init(self, params)
+        subgroups = len(self.plan.subgroups)
+        return state
+
+    ocp.CheckpointManager.save, PathStore.write, jax_mlp.Offloader.init = saved, writing, initialised
+    exec(RECIPE)
+    """
+)
+
+
+def _recipe(script: str, root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script, str(TESTS), str(root)], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_restarting_after_a_kill_9_restores_the_checkpoint_onto_the_same_paths_bitwise(tmp_path):
+    killed = _recipe(KILL_IN_RECIPE, tmp_path / "restarted")
+    assert killed.returncode == -signal.SIGKILL, f"rc={killed.returncode}\n{killed.stderr[-3000:]}"
+    paths = [tmp_path / "restarted" / "nvme", tmp_path / "restarted" / "pfs"]
+    held = jax_mlp.mlp_offload(optax.adam(1e-2), paths=paths, subgroup_size="32KiB")
+    with pytest.raises(jax_mlp.OffloadError, match=r"already holds this run's .*step 5.*OffloadRestore"):
+        held.init(make_params())  # the tiers went on past the checkpoint of step 3
+    restarted = _recipe(RECIPE, tmp_path / "restarted")  # the same script, run again
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "hold this run's offloaded state up to step 5: that state is discarded" in restarted.stderr
+    uninterrupted = _recipe(RECIPE, tmp_path / "uninterrupted")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert "discarded" not in uninterrupted.stderr
+    with np.load(tmp_path / "restarted" / "params.npz") as a, np.load(tmp_path / "uninterrupted" / "params.npz") as b:
+        assert_same_bits([a[k] for k in sorted(a)], [b[k] for k in sorted(b)])

@@ -276,3 +276,15 @@ def test_a_gather_that_reorders_rows_keeps_the_leaf_whole():
 
     check = check_optimizer(optax.GradientTransformation(lambda p: optax.EmptyState(), reorder), TREE, None)
     assert check.whole_leaves >= MATRICES
+
+
+def test_an_init_that_fails_on_the_params_names_the_tree_it_holds_not_extra_args():
+    """A mask of another structure fails ``inner.init`` (as in plain optax): the refusal says which tree, and
+    offers neither ``extra_args`` nor moving global transformations, which ``init`` has nothing to do with."""
+    mask = {"embed": True, "dense": {"w": True}, "row": False}  # no "b"
+    with pytest.raises(
+        OffloadError, match=r"inner.init could not be traced .* key path tree_map tree\['dense'\]"
+    ) as caught:
+        check_optimizer(optax.adamw(1e-3, mask=mask), TREE, None)
+    assert "a mask=" in str(caught.value) and "extra_args" not in str(caught.value)
+    assert REMEDY not in str(caught.value)

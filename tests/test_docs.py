@@ -90,3 +90,10 @@ def test_every_import_points_down_the_module_table() -> None:
         if imported in position and position[imported] <= position[module]
     ]
     assert not upward, f"imports that point up (or sideways) in docs/architecture.md's table: {upward}"
+
+
+def test_help_explains_every_parameter_of_mlp_offload():
+    """``help(jax_mlp.mlp_offload)`` documents each parameter of its signature, in order, and no other."""
+    doc = inspect.getdoc(jax_mlp.mlp_offload)
+    described = re.findall(r"^  (\w+):", doc[doc.index("Args:") : doc.index("Returns:")], re.MULTILINE)
+    assert described == list(inspect.signature(jax_mlp.mlp_offload).parameters)

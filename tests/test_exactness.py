@@ -7,21 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
-    OPTIMIZERS,
+from conftest import OPTIMIZERS, grads_at, make_params, run_offload, run_optax
+from helpers import (
+    EXACT_BOUND,
+    LOW_PRECISION_STATE_BOUND,
+    assert_bf16_within_ulp,
+    assert_close_to_optax,
     assert_same_bits,
-    grads_at,
-    make_params,
     max_relative_deviation,
-    run_offload,
-    run_optax,
 )
 
 import jax_mlp
 
 STEPS = 10
 SUBGROUP = "16KiB"
-TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -49,9 +48,7 @@ def test_same_math_as_optax_and_bits_independent_of_tiering(name, paths):
         assert_same_bits(other, reference, variant)
 
     for jit in (False, True):
-        expected = run_optax(inner, params, STEPS, jit=jit)
-        deviations = max_relative_deviation(reference, expected)
-        assert max(deviations.values()) <= TOLERANCE, (jit, deviations)
+        assert_close_to_optax(reference, run_optax(inner, params, STEPS, jit=jit), what=f"jit={jit}")
 
 
 def test_low_precision_state_within_looser_bound(paths):
@@ -59,8 +56,8 @@ def test_low_precision_state_within_looser_bound(paths):
     params = make_params()
     offloaded = run_offload(inner, params, STEPS, [paths[0]], subgroup_size=SUBGROUP)[0]
     for jit in (False, True):
-        deviations = max_relative_deviation(offloaded, run_optax(inner, params, STEPS, jit=jit))
-        assert max(deviations.values()) <= 1e-3, deviations
+        expected = run_optax(inner, params, STEPS, jit=jit)
+        assert_close_to_optax(offloaded, expected, bound=LOW_PRECISION_STATE_BOUND, what=f"jit={jit}")
 
 
 def test_a_skipped_subgroup_is_far_above_the_bound(paths):
@@ -80,7 +77,7 @@ def test_a_skipped_subgroup_is_far_above_the_bound(paths):
         offloaded = optax.apply_updates(offloaded, updates)
     tx.close()
     deviations = max_relative_deviation(offloaded, run_optax(inner, params, STEPS, jit=True))
-    assert max(deviations.values()) > 100 * TOLERANCE, deviations
+    assert max(deviations.values()) > 100 * EXACT_BOUND, deviations
 
 
 def test_bf16_params_with_fp32_master(paths):
@@ -109,14 +106,7 @@ def test_bf16_params_with_fp32_master(paths):
         assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
     tx.close()
 
-    total = differing = 0
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
-        got_bits = np.asarray(got).view(np.uint16).astype(np.int32)
-        want_bits = np.asarray(want).view(np.uint16).astype(np.int32)
-        assert np.max(np.abs(got_bits - want_bits)) <= 1
-        differing += int(np.sum(got_bits != want_bits))
-        total += got_bits.size
-    assert differing <= 0.001 * total, (differing, total)
+    assert_bf16_within_ulp(params, expected, "offloaded against the same scheme in memory")
 
 
 def test_apply_updates_gives_exactly_the_master_cast(paths):
@@ -133,5 +123,5 @@ def test_apply_updates_gives_exactly_the_master_cast(paths):
         for piece, value in zip(subgroup.pieces, master, strict=True):
             leaf = jax.tree.leaves(params)[piece.leaf]
             got = np.asarray(leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]])
-            np.testing.assert_array_equal(got.view(np.uint16), value.astype(jnp.bfloat16).view(np.uint16))
+            assert_same_bits(got, value.astype(jnp.bfloat16))
     tx.close()

@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
+from helpers import load_module
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))  # the examples import their shared options module, as when run as scripts
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses (flax linen modules) look their module up there
-    spec.loader.exec_module(module)
-    return module
+TESTS = pathlib.Path(__file__).parent
+EXAMPLES = TESTS.parent / "examples"
 
 
 def test_train_gpt_learns_logs_every_update_and_matches_plain_optax(tmp_path):
     steps = 50
     log = tmp_path / "run.jsonl"
-    result = load("train_gpt").main(
+    result = load_module(EXAMPLES / "train_gpt.py").main(
         [
             *("--steps", str(steps), "--layers", "1", "--d-model", "32", "--heads", "2"),
             *("--seq-len", "32", "--batch-size", "16", "--subgroup-size", "8KiB", "--host-cache", "16KiB"),
@@ -53,8 +45,9 @@ def test_train_gpt_with_int8_state_learns_and_matches_the_same_codec_in_memory(t
         *("--steps", "30", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32"),
         *("--batch-size", "16", "--subgroup-size", "8KiB", "--host-cache", "0", "--sample", "0"),
     ]
-    exact = load("train_gpt").main([*common, "--paths", str(tmp_path / "exact")])
-    int8 = load("train_gpt").main([*common, "--paths", str(tmp_path / "int8"), "--state-codec", "int8", "--compare"])
+    train_gpt = load_module(EXAMPLES / "train_gpt.py")
+    exact = train_gpt.main([*common, "--paths", str(tmp_path / "exact")])
+    int8 = train_gpt.main([*common, "--paths", str(tmp_path / "int8"), "--state-codec", "int8", "--compare"])
     assert int8["state_codec"] == "int8" and int8["compare_passed"], int8["deviation"]
     assert int8["final_loss"] < 0.8 * int8["initial_loss"]
     assert np.all(np.isfinite(int8["train_losses"]))
@@ -66,7 +59,7 @@ def test_train_gpt_with_int8_state_learns_and_matches_the_same_codec_in_memory(t
 
 
 def test_train_linen_with_train_state_applies_gradients_outside_jit(tmp_path):
-    result = load("train_linen").main(
+    result = load_module(EXAMPLES / "train_linen.py").main(
         [
             *("--steps", "60", "--hidden", "64", "--subgroup-size", "8KiB", "--host-cache", "16KiB"),
             *("--paths", str(tmp_path / "a"), str(tmp_path / "b"), "--log-every", "30"),
@@ -81,9 +74,8 @@ def test_train_linen_with_train_state_applies_gradients_outside_jit(tmp_path):
 
 def test_big_state_peak_rss_stays_well_below_a_state_four_times_the_cache(tmp_path):
     script = (
-        f"import importlib.util, json, sys; sys.path.insert(0, {str(EXAMPLES)!r});"
-        f"spec = importlib.util.spec_from_file_location('big_state', {str(EXAMPLES / 'big_state.py')!r});"
-        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module);"
+        f"import json, pathlib, sys; sys.path[:0] = [{str(EXAMPLES)!r}, {str(TESTS)!r}]; from helpers import load_module;"
+        f"module = load_module(pathlib.Path({str(EXAMPLES / 'big_state.py')!r}));"
         "result = module.main(sys.argv[1:]); result.pop('stats'); print(json.dumps(result))"
     )
     args = ["--state", "512MiB", "--steps", "3", "--paths", str(tmp_path / "tier")]

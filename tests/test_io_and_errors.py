@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_same_bits, grads_at, make_params, max_relative_deviation, run_offload
+from conftest import grads_at, make_params, run_offload
+from helpers import assert_close_to_optax, assert_same_bits
 
 import jax_mlp
+from jax_mlp.config import total_memory
 from jax_mlp.storage import record
 from jax_mlp.storage.paths import PathStore
 from jax_mlp.storage.record import HEADER_SIZE
@@ -70,17 +74,48 @@ def test_mismatched_grads_tree_names_the_leaf(paths):
     grads = grads_at(params, 0)
     missing = dict(grads)
     del missing["temperature"]
-    with pytest.raises(ValueError, match=r"grads tree does not match.*\['temperature'\]"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"grads tree does not match.*\['temperature'\]"):
         tx.update(missing, state, params)
     reshaped = dict(grads, head=dict(grads["head"], w=jnp.zeros((10, 16))))
-    with pytest.raises(ValueError, match=r"grads leaf \['head'\]\['w'\] has shape \(10, 16\).*\(16, 10\)"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"grads leaf \['head'\]\['w'\] has shape \(10, 16\).*\(16, 10\)"):
         tx.update(reshaped, state, params)
     retyped = dict(params, embed=params["embed"].astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"params leaf \['embed'\] has dtype bfloat16.*float32"):
+    with pytest.raises(jax_mlp.OffloadError, match=r"params leaf \['embed'\] has dtype bfloat16.*float32"):
         tx.update(grads, state, retyped)
     _updates, state = tx.update(grads, state, params)  # nothing was lost: the same update still works
     assert int(state.step) == 1
     tx.close()
+
+
+def _refused(call, match: str) -> None:
+    """``call`` raises an OffloadError matching ``match``, which is also a ValueError."""
+    with pytest.raises(jax_mlp.OffloadError, match=match) as caught:
+        call()
+    assert isinstance(caught.value, ValueError)
+
+
+def test_bad_input_raises_an_offload_error_that_is_a_value_error_and_says_what_to_do(paths):
+    """One ``except jax_mlp.OffloadError`` catches every refusal of bad input; ``except ValueError`` still does."""
+    _refused(
+        lambda: jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=0),
+        r"subgroup_size must be positive, got 0: give the bytes of state to stream at once",
+    )
+    _refused(lambda: jax_mlp.quantized_state(optax.adam(1e-2), "fp8"), r"codec 'fp8' is not one of .*: pass one of")
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]]) as tx:
+        _refused(lambda: tx.init({}), r"params has no leaves, so there is no optimizer state to offload: pass")
+    params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[1]]) as tx:
+        state = tx.init(params)
+        _refused(lambda: tx.update({"w": params["w"]}, state, params), r"missing leaves \[\"\['b'\]\"\]\. Pass grads")
+        _refused(
+            lambda: tx.update(dict(params, b=jnp.arange(8)), state, params),
+            r"grads leaf \['b'\] has dtype int32, but only floating-point leaves can be optimized: cast it",
+        )
+    devices = jax.devices()[:2]  # each leaf whole on another device: no one mesh to map the update over
+    spread = {"w": jax.device_put(params["w"], devices[0]), "b": jax.device_put(params["b"], devices[1])}
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[2]]) as tx:
+        state = tx.init(spread)
+        _refused(lambda: jax.jit(tx.update)(spread, state, spread), r"several devices, .*call tx.update outside jit")
 
 
 def test_paths_that_cannot_be_used_are_named(tmp_path):
@@ -91,9 +126,9 @@ def test_paths_that_cannot_be_used_are_named(tmp_path):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[blocker / "sub"]).init(params)
     with pytest.raises(jax_mlp.PathError, match="path /sys is not writable"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=["/sys"]).init(params)
-    with pytest.raises(ValueError, match="is given twice"):
+    with pytest.raises(jax_mlp.OffloadError, match="is given twice"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "x", str(tmp_path / "x") + "/"])
-    with pytest.raises(ValueError, match="host_cache='lots' is not a size"):
+    with pytest.raises(jax_mlp.OffloadError, match="host_cache='lots' is not a size"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "y"], host_cache="lots")
 
 
@@ -121,15 +156,82 @@ def test_a_stale_opt_state_is_refused(paths):
     tx.close()
 
 
-def test_a_second_run_on_the_same_directory_refuses_without_resume(paths):
+def test_a_second_run_on_the_same_directory_names_both_ways_on(paths):
     params = make_params()
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
-    tx.init(params)
-    tx.close()
-    with pytest.raises(jax_mlp.OffloadError, match=r"already holds offloaded optimizer state.*resume=True"):
+    run_offload(optax.adam(1e-2), params, 3, [paths[0]], subgroup_size=SUBGROUP)
+    with pytest.raises(jax_mlp.OffloadError) as refused:
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP).init(params)
-    with pytest.raises(jax_mlp.RecordError, match="another run or subgroup layout"):
-        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size="8KiB", resume=True).init(params)
+    message = str(refused.value)
+    assert f"path {paths[0]} already holds this run's offloaded optimizer state" in message
+    assert "newest record is of step 3" in message
+    assert "resume=True" in message and "OffloadRestore" in message
+    # Nothing was written: the run resumes at its step.
+    assert (
+        int(
+            jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True)
+            .init(params)
+            .step
+        )
+        == 3
+    )
+
+
+def _refusal(paths, params, inner=None, **options):
+    options = {"subgroup_size": SUBGROUP, **options}
+    with pytest.raises(jax_mlp.RecordError, match="another run or subgroup layout") as refused:
+        jax_mlp.mlp_offload(inner or optax.adam(1e-2), paths=[paths[0]], **options).init(params)
+    return str(refused.value)
+
+
+def test_a_run_of_another_layout_is_refused_naming_what_changed(paths):
+    params = dict(make_params(), embed=make_params()["embed"].astype(jnp.bfloat16))  # mixed: a master is allowed
+    run_offload(optax.adam(1e-2), params, 1, [paths[0]], subgroup_size=SUBGROUP)
+    fp32 = dict(params, embed=params["embed"].astype(jnp.float32))
+    assert "param leaf 0 is ['big'] float32[256, 160] there, ['big'] bfloat16[256, 160] here" in _refusal(
+        paths, dict(params, big=params["big"].astype(jnp.bfloat16)), resume=True
+    )
+    assert "['embed'] bfloat16[40, 16] there, ['embed'] float32[40, 16] here" in _refusal(paths, fp32, resume=True)
+    assert "its subgroup_size is 16384, this offload's 8192" in _refusal(
+        paths, params, subgroup_size="8KiB", resume=True
+    )
+    assert "its master_dtype is None, this offload's float32" in _refusal(
+        paths, params, master_dtype=jnp.float32, resume=True
+    )
+    changed = _refusal(paths, params, optax.sgd(1e-2, momentum=0.9), resume=True)
+    assert "subgroup 0's state field 0 is [0].count int32[] there" in changed and "another optimizer" in changed
+    assert "resume with the params, optimizer, subgroup_size and master_dtype of that run" in changed
+    fresh = _refusal(paths, params, subgroup_size="8KiB")
+    assert "its subgroup_size is 16384" in fresh and f"give an empty directory, or delete {paths[0]}" in fresh
+
+
+def test_a_run_file_without_a_plan_falls_back_to_the_layout_hashes(paths):
+    params = make_params()
+    run_offload(optax.adam(1e-2), params, 1, [paths[0]], subgroup_size=SUBGROUP)
+    (run_file,) = Path(paths[0]).glob("*/run.json")
+    identity = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps({k: v for k, v in identity.items() if k != "plan"}))  # as version 0.1 wrote it
+    message = _refusal(paths, params, subgroup_size="8KiB", resume=True)
+    assert f"layout hash {identity['layout_hash']}, expected " in message
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True)
+    assert int(tx.init(params).step) == 1
+    tx.close()
+
+
+def test_integer_params_are_refused_at_init_before_anything_is_written(paths):
+    params = dict(make_params(), steps=jnp.zeros((3,), jnp.int32))
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP)
+    with pytest.raises(jax_mlp.OffloadError, match=r"param leaf \['steps'\] has dtype int32") as refused:
+        tx.init(params)
+    assert "nnx.state(model, nnx.Param)" in str(refused.value)
+    assert not list(Path(paths[0]).rglob("run.json")) and not list(Path(paths[0]).rglob("zarr.json"))
+
+
+def test_a_host_cache_larger_than_the_memory_is_refused_when_the_offload_is_made(paths):
+    memory = total_memory()
+    with pytest.raises(jax_mlp.OffloadError, match=r"host_cache=.* is larger than this machine's memory") as refused:
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], host_cache=2 * memory)
+    assert jax_mlp.config.format_bytes(memory) in str(refused.value)
+    assert not list(Path(paths[0]).rglob("run.json"))
 
 
 def test_a_corrupt_record_is_caught_by_its_checksum(paths):
@@ -241,7 +343,7 @@ def test_update_without_params_matches_optax_and_needs_them_only_when_optax_does
     state = tx.init(params)
     updates, state = tx.update(grads_at(params, 0), state)
     expected, _ = optax.adam(1e-2).update(grads_at(params, 0), optax.adam(1e-2).init(params))
-    assert max(max_relative_deviation(updates, expected).values()) <= 1e-6
+    assert_close_to_optax(updates, expected, bound=1e-6)
     tx.close()
 
     tx = jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP)
@@ -297,7 +399,7 @@ def test_a_path_can_be_any_tensorstore_kvstore(paths):
     assert stats.bytes_read["memory://run1/"] > 0
     expected = run_offload(optax.adam(1e-2), params, 3, [paths[1]], subgroup_size=SUBGROUP)[0]
     assert_same_bits(got, expected)
-    with pytest.raises(ValueError, match="needs a 'driver'"):
+    with pytest.raises(jax_mlp.OffloadError, match="needs a 'driver'"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[{"path": "x"}])
 
 
@@ -312,4 +414,17 @@ def test_identical_blocks_share_one_compilation(paths):
     _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
     assert len(tx.offloader.plan.subgroups) == 8
     assert init_compiles <= 2 and tx.stats.compiles <= 2, (init_compiles, tx.stats.compiles)
+    tx.close()
+
+
+def test_a_master_of_the_params_own_dtype_is_refused_and_a_mixed_tree_keeps_one(paths):
+    params = make_params()
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], master_dtype=jnp.float32)
+    with pytest.raises(jax_mlp.OffloadError, match=r"every param leaf is already float32.*Leave master_dtype unset"):
+        tx.init(params)
+    assert not list(Path(paths[0]).rglob("run.json"))
+    mixed = dict(params, embed=params["embed"].astype(jnp.bfloat16))
+    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
+    tx.init(mixed)
+    assert all(sg.layout.master_fields for sg in tx.offloader.plan.subgroups)
     tx.close()

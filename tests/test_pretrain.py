@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from conftest import as_bits
+from helpers import assert_bf16_within_ulp
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain.py"
 STEPS = 8
@@ -73,16 +73,6 @@ def _params_at(workdir: Path, step: int) -> list[np.ndarray]:
     return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(restored["params"])]
 
 
-def _assert_within_bf16_bound(actual: list[np.ndarray], expected: list[np.ndarray]) -> None:
-    """At most one ulp apart, on at most 0.1% of the elements (bits compared as unsigned integers)."""
-    differing = total = 0
-    for a, e in zip(as_bits(actual), as_bits(expected), strict=True):
-        distance = np.abs(a.astype(np.int64) - e.astype(np.int64))
-        assert distance.max(initial=0) <= 1, "a param is more than one bf16 ulp from the uninterrupted run"
-        differing, total = differing + int(np.count_nonzero(distance)), total + distance.size
-    assert differing <= 1e-3 * total, f"{differing} of {total} params differ from the uninterrupted run"
-
-
 def test_pretrain_killed_mid_run_resumes_from_the_tiers_and_from_a_checkpoint(tmp_path):
     straight = _run(tmp_path / "straight")
     assert straight["start"] == "fresh" and straight["step"] == STEPS
@@ -97,11 +87,11 @@ def test_pretrain_killed_mid_run_resumes_from_the_tiers_and_from_a_checkpoint(tm
     # land resumes at step 4 (docs/checkpoints.md, "Crash consistency"), one after at step 5.
     assert resumed["start"] == "tiers" and 4 <= resumed["start_step"] < STEPS, resumed
     assert resumed["step"] == STEPS
-    _assert_within_bf16_bound(_params_at(crashed, STEPS), expected)
+    assert_bf16_within_ulp(_params_at(crashed, STEPS), expected, "resumed from the tiers")
 
     # The paths are lost (a new node): --resume falls back to the latest checkpoint left, step 4.
     for name in ("nvme", "pfs", "checkpoints/8"):
         shutil.rmtree(tmp_path / "straight" / name)
     restored = _run(tmp_path / "straight", "--resume")
     assert restored["start"] == "checkpoint step 4" and restored["step"] == STEPS, restored
-    _assert_within_bf16_bound(_params_at(tmp_path / "straight", STEPS), expected)
+    assert_bf16_within_ulp(_params_at(tmp_path / "straight", STEPS), expected, "resumed from the step-4 checkpoint")

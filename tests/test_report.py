@@ -178,5 +178,5 @@ def test_log_to_restarts_a_fresh_run_appends_on_resume_and_survives_a_failing_ca
     tx.close()
     assert [json.loads(text)["step"] for text in log.read_text().splitlines()] == [0, 1, 2]
 
-    with pytest.raises(ValueError, match="log_to"):
+    with pytest.raises(jax_mlp.OffloadError, match="log_to"):
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], log_to=tmp_path / "no" / "such" / "dir.jsonl")

@@ -12,7 +12,8 @@ import time
 
 import optax
 import pytest
-from conftest import assert_same_bits, grads_at, make_params, run_offload, tmpfs
+from conftest import grads_at, make_params, run_offload, tmpfs
+from helpers import assert_same_bits
 
 import jax_mlp
 from jax_mlp import model

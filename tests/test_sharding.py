@@ -8,14 +8,13 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import OPTIMIZERS, grads_at, make_params, max_relative_deviation
+from conftest import OPTIMIZERS, grads_at, make_params
+from helpers import assert_close_to_optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_mlp
 from jax_mlp.storage.record import HEADER_SIZE
-
-TOLERANCE = 1e-5
 
 
 def mesh_2x4():
@@ -81,8 +80,7 @@ def train_keeping_shardings(tx, inner, params, update, steps: int = 10):
         reference, state = inner.update(grads_at(expected, step), state, expected)
         expected = optax.apply_updates(expected, reference)
     assert int(opt_state.step) == steps and tx.stats.step == steps
-    deviation = max_relative_deviation(params, expected)
-    assert max(deviation.values()) <= TOLERANCE, deviation
+    assert_close_to_optax(params, expected)
     return params
 
 
@@ -121,5 +119,5 @@ def test_grads_with_another_sharding_are_resharded_not_refused(tmp_path):
     grads = jax.tree.map(lambda g: jax.device_put(g, NamedSharding(mesh, P())), grads_at(params, 0))
     updates, _ = tx.update(grads, opt_state, params)
     expected, _ = inner.update(grads_at(params, 0), inner.init(params), params)
-    assert max(max_relative_deviation(updates, expected).values()) <= TOLERANCE
+    assert_close_to_optax(updates, expected)
     tx.close()

@@ -13,13 +13,14 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 # ISA-L's CRC-32 is zlib's (the same polynomial and bits, so every record ever written still
 # verifies) at 28 GB/s here against zlib's 2.5; a hardware CRC32C was no faster (docs/efficiency.md).
 from isal.isal_zlib import crc32
 
-from jax_mlp.errors import RecordError
+from jax_mlp.errors import OffloadError, RecordError
 from jax_mlp.storage.buffers import ALIGNMENT, aligned_buffer, round_up
 
 HEADER_SIZE = 64
@@ -161,16 +162,30 @@ def pack(
     Every byte of ``out`` is written, the alignment gaps with zeros, so ``out`` may hold old data.
     """
     end = 0
-    for field, value in zip(
-        (*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True
+    for index, (field, value) in enumerate(
+        zip((*layout.state_fields, *layout.master_fields), (*state_leaves, *master_leaves), strict=True)
     ):
         value = np.asarray(value)
         if value.shape != field.shape or value.dtype != field.dtype:
-            raise ValueError(f"state leaf {value.shape} {value.dtype} does not match its record field {field}")
+            raise OffloadError(
+                f"{_field_name(layout, index)} is {value.dtype}{list(value.shape)}, but inner.init laid it out as "
+                f"{field.dtype}{list(field.shape)}: the inner optimizer's update must return each state leaf with "
+                "the shape and dtype its init gave it (cast it back in the optimizer)"
+            )
         out[end : field.offset] = 0
         out[field.offset : field.offset + field.nbytes].view(field.dtype).reshape(field.shape)[...] = value
         end = field.offset + field.nbytes
     out[end:] = 0
+
+
+def _field_name(layout: RecordLayout, index: int) -> str:
+    """How errors name field ``index`` of ``layout``: the state leaf by its path in the subgroup's inner state."""
+    count = len(layout.state_fields)
+    if index >= count:
+        return f"master param {index - count} of the subgroup"
+    numbered = jax.tree_util.tree_unflatten(layout.state_treedef, range(count))
+    path = jax.tree_util.tree_flatten_with_path(numbered)[0][index][0]
+    return f"state leaf {jax.tree_util.keystr(path)}"
 
 
 def unpack(layout: RecordLayout, payload: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:

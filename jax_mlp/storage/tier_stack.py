@@ -130,19 +130,20 @@ class TierStack:
         self.layout_hash = layout_hash
         self.codec = codec
         self._lock = threading.Lock()
-        self._locations = Locations({}, ())
+        self._path_of: dict[int, int] = {}  # the path index of each subgroup's newest stored record
+        self._moved: list[tuple[int, int]] = []  # (subgroup, old path) of records moves left behind
         self._pins: list[Pin] = []
 
     @property
     def locations(self) -> Locations:
         """Where every stored record is now (a snapshot: :meth:`restore` takes it back)."""
         with self._lock:
-            return self._locations
+            return Locations(dict(self._path_of), tuple(self._moved))
 
     def restore(self, locations: Locations) -> None:
         """Takes back an earlier :attr:`locations` (an update that failed), or those a resume found."""
         with self._lock:
-            self._locations = locations
+            self._path_of, self._moved = dict(locations.paths), list(locations.moved)
 
     def set_caps(self, path: int | str, max_read: float | None, max_write: float | None) -> None:
         """Changes the bandwidth caps (bytes/s, None for none) of a path, given by index or name."""
@@ -181,7 +182,8 @@ class TierStack:
         entry = self.cache.get(subgroup)
         if entry is not None and entry.step == step:
             return Fetched(entry.fields, None)
-        index = self.locations.paths.get(subgroup)
+        with self._lock:
+            index = self._path_of.get(subgroup)
         if index is None:
             raise OffloadError(
                 f"subgroup {subgroup} has no record of step {step} in the host cache or on any path; "
@@ -202,11 +204,10 @@ class TierStack:
         self.paths[path].write(subgroup, step % 2, record)
         written = Transfer("write", path, subgroup, record.nbytes, started, time.perf_counter())
         with self._lock:
-            paths, moved = self._locations
-            previous = paths.get(subgroup)
+            previous = self._path_of.get(subgroup)
             if previous is not None and previous != path:
-                moved = (*moved, (subgroup, previous))
-            self._locations = Locations({**paths, subgroup: path}, moved)
+                self._moved.append((subgroup, previous))
+            self._path_of[subgroup] = path
         return written
 
     def drop_moved(self) -> None:
@@ -219,13 +220,12 @@ class TierStack:
         if self.cache.dirty():
             return
         with self._lock:
-            paths, moved = self._locations
             pins = [p for p in self._pins if not p.released]
-            kept = tuple((k, old) for k, old in moved if any(pin.keeps(k, old) for pin in pins))
-            self._locations = Locations(paths, kept)
-        for subgroup, old in moved:
-            if (subgroup, old) not in kept and paths.get(subgroup) != old:
-                self.paths[old].delete(subgroup)
+            kept = [(k, old) for k, old in self._moved if any(pin.keeps(k, old) for pin in pins)]
+            dropped = [(k, old) for k, old in self._moved if (k, old) not in kept and self._path_of.get(k) != old]
+            self._moved = kept
+        for subgroup, old in dropped:
+            self.paths[old].delete(subgroup)
 
     def store(
         self, subgroup: int, fields: Any, record_nbytes: int, step: int, placement: Sequence[int]

@@ -1,0 +1,195 @@
+"""``jax-mlp plan`` sizes a whole run, never crashes, and starts from the library's own defaults."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from jax_mlp import cli, model
+from jax_mlp.config import OffloadConfig, format_bytes, parse_size
+from jax_mlp.model import PathSpeed, Workload
+from jax_mlp.storage import capacity
+from jax_mlp.storage.buffers import POOL_BYTES
+from jax_mlp.storage.probe import PROBE_DIRECTORY
+from jax_mlp.storage.record import HEADER_SIZE
+
+MiB = 1024**2
+
+
+def plan(capsys, *args: str) -> str:
+    """The output of ``jax-mlp plan ARGS``, which must succeed."""
+    assert cli.main(["plan", *args]) == 0
+    return capsys.readouterr().out
+
+
+def figure(out: str, label: str) -> str:
+    """The figure of the first row labelled ``label`` in a section of the plan (the label is 30 wide, the figure 10)."""
+    line = next(line for line in out.splitlines() if line.startswith("  ") and line[2:32].rstrip() == label)
+    return line[33:43].strip()
+
+
+def test_a_cache_holding_the_whole_state_predicts_its_write_back_and_a_finite_time(capsys):
+    # Once a ZeroDivisionError after "predicted update time: 0 s".
+    out = plan(capsys, "--params", "7e9", "--paths", "nvme=5GB/s", "--nodes", "8", "--host-cache", "64GiB")
+    state = 7e9 * 8 / 8  # adam's 8 B per param, over 8 nodes of one process
+    records = math.ceil(state / (64 * MiB))  # OffloadConfig's 64 MiB subgroups
+    write_back = records * 64 * MiB
+    assert figure(out, "read during the update") == "0 B" and figure(out, "written during the update") == "0 B"
+    assert figure(out, "written back from the cache") == format_bytes(write_back)
+    assert figure(out, "I/O between updates") == cli._seconds(write_back / 5e9)
+    link_floor = state / 20e9  # to the device and back, at the default --link, both ways at once
+    assert figure(out, "update") == cli._seconds(link_floor) and link_floor > 0
+    assert f"predicted update time: {cli._seconds(link_floor)}; {format_bytes(write_back)} written back" in out
+    rows = out[out.index("mechanisms") :].splitlines()[1:]
+    assert len(rows) == len(model.ABLATION) and all(row.endswith("x") for row in rows), rows
+
+
+def test_write_back_that_outlasts_the_forward_and_backward_delays_the_update(capsys):
+    args = ["--params", "7e9", "--paths", "nvme=5GB/s", "--nodes", "8", "--host-cache", "64GiB", "--compute-s", "1"]
+    out = plan(capsys, *args)
+    write_back = math.ceil(7e9 / (64 * MiB)) * 64 * MiB / 5e9
+    assert f"does not fit: the update waits {cli._seconds(write_back - 1)} more" in out
+    assert figure(out, "update") == cli._seconds(7e9 / 20e9 + write_back - 1)
+    lazy = plan(capsys, *args, "--flush", "lazy")  # the paper's flush: dirty records wait for eviction
+    assert figure(lazy, "written back from the cache") == "0 B" and "fits in the forward and backward" in lazy
+
+
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [("70B", 70e9), ("7b", 7e9), ("1.5e9", 1.5e9), ("7e9", 7e9), ("4M", 4e6), ("2k", 2e3), ("1T", 1e12), ("12", 12)],
+)
+def test_counts_take_suffixes(text, count):
+    assert cli.parse_count(text, "--params") == count
+
+
+@pytest.mark.parametrize("text", ["70X", "B", "-1", "0", "7 GB", ""])
+def test_other_counts_are_refused(text):
+    with pytest.raises(cli.UsageError, match="--params"):
+        cli.parse_count(text, "--params")
+
+
+def test_70b_is_planned(capsys):
+    out = plan(capsys, "--params", "70B", "--paths", "nvme=5GB/s")
+    assert out.startswith("7e+10 params, 8 B of offloaded state each")
+
+
+def test_the_defaults_are_offload_configs(tmp_path):
+    args = cli.build_parser().parse_args(["plan", "--params", "7B", "--paths", "nvme=5GB/s"])
+    config = OffloadConfig(tmp_path)
+    assert parse_size(args.subgroup_size) == config.subgroup_size
+    assert parse_size(args.host_cache) == config.host_cache
+    assert (args.prefetch_depth, args.write_depth, args.flush) == (
+        config.prefetch_depth,
+        config.write_depth,
+        config.flush,
+    )
+    probe = cli.build_parser().parse_args(["probe", str(tmp_path)])
+    assert parse_size(probe.subgroup_size) == config.subgroup_size
+
+
+def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
+    # 1M params with an fp32 master (12 B each) over 2 processes of one node, one device each, in
+    # 1 MiB subgroups; a 4 MiB host cache per node, a path reading at 1 GB/s and writing at 500 MB/s.
+    args = ["--params", "1M", "--master", "--processes-per-node", "2", "--subgroup-size", "1MiB"]
+    args += ["--paths", "nvme=1GB/s:500MB/s", "--host-cache", "4MiB", "--compute-s", "0.01", "--host-memory", "8GiB"]
+    out = plan(capsys, *args)
+    state = 1e6 * 12 / 2  # per process
+    records, cached = math.ceil(state / MiB), 2  # 6 records, 2 of them in a process's 2 MiB of cache
+    assert f"{records} records of 1.0 MiB per process; prefetch_depth 2, write_depth 2, flush='idle'" in out
+
+    params = 1e6 / 2 * 2  # bf16 (the default with --master), sharded over 2 devices
+    assert figure(out, "params") == figure(out, "grads") == format_bytes(params)
+    optax_adds = 1e6 / 2 * 4 + max((2 + 2 + 1) * MiB, params)  # fp32 updates + max(records on device, new params)
+    assert figure(out, "update adds, optax route") == format_bytes(optax_adds)
+    assert figure(out, "update adds, fused apply") == format_bytes((2 + 2) * MiB)  # write_depth + 2 records
+    assert figure(out, "peak, optax route") == format_bytes(2 * params + optax_adds)
+
+    host = [2 * cached * MiB, 2 * (2 + 2 + 1) * MiB, 2 * min(POOL_BYTES, state), 2 * model.PROCESS_BYTES]
+    labels = ["cache", "records in flight", "staging buffers", "process runtime"]
+    assert [figure(out, label) for label in labels] == [format_bytes(nbytes) for nbytes in host]
+    assert figure(out, "total") == format_bytes(sum(host))
+    assert f"fits --host-memory 8.0 GiB, {format_bytes(8 * 1024**3 - sum(host))} spare" in out
+
+    sizes = [HEADER_SIZE + MiB] * (records - 1) + [HEADER_SIZE + int(state) - (records - 1) * MiB]
+    row = next(line for line in out.splitlines() if line.startswith("nvme "))
+    assert row.split()[-3:] == [*format_bytes(2 * capacity.need(sizes)).split(), "-"]  # 2 processes a node
+
+    reads = writes = records - cached  # alternating order: the cached records are the first of the step
+    assert figure(out, "read during the update") == figure(out, "written during the update") == "4.0 MiB"
+    assert figure(out, "written back from the cache") == format_bytes(cached * MiB)
+    ahead = 2  # prefetch_depth reads moved to the idle time before the update
+    busy = 2 * ((reads - ahead) * MiB / 1e9 + writes * MiB / 5e8)  # 2 processes take turns on the path
+    idle = 2 * MiB * (cached / 5e8 + ahead / 1e9)
+    assert figure(out, "I/O between updates") == cli._seconds(idle)
+    update = busy + MiB / 5e8 + (idle - 0.01)  # + draining the last write + the idle I/O past the 10 ms
+    assert figure(out, "update") == cli._seconds(update)
+    assert figure(out, "step") == cli._seconds(0.01 + update)
+
+
+def test_device_memory_matches_the_measured_ratios_of_efficiency_md():
+    # docs/efficiency.md: 64 MiB of bf16 params in 8 MiB subgroups with an fp32 master: the optax route
+    # added 2.83x the params (4.0x on the first step), the fused apply 0.5-0.58x.
+    params = 64 * MiB / 2
+    work = Workload(params, 2, 4, 12, 1, 1, 1, 8 * MiB, 2, 2)
+    device = model.device_memory(work)
+    assert device.optax_route / device.params == 3.0 and device.fused_apply / device.params == 0.5
+
+
+def test_the_forward_and_backward_from_flops(capsys):
+    out = plan(capsys, "--params", "1B", "--paths", "nvme=5GB/s", "--processes-per-node", "2")
+    assert "not given" in out and "step: this plus the forward and backward" in out
+    args = ["--params", "1B", "--paths", "nvme=5GB/s", "--processes-per-node", "2", "--tflops", "100"]
+    out = plan(capsys, *args, "--tokens-per-step", "1M", "--mfu", "0.5")
+    seconds = 6 * 1e9 * 1e6 / (2 * 100e12 * 0.5)
+    assert figure(out, "forward + backward") == cli._seconds(seconds) == "60 s" and "estimated: 6 x" in out
+
+
+def test_host_memory_over_the_node_is_a_warning(capsys):
+    out = plan(capsys, "--params", "7B", "--paths", "nvme=5GB/s", "--host-cache", "100GiB", "--host-memory", "32GiB")
+    assert "WARNING: over --host-memory 32.0 GiB" in out
+    room = 32 * 1024**3 - (2 + 2 + 1) * 64 * MiB - POOL_BYTES - model.PROCESS_BYTES  # all but the cache
+    assert f"the largest --host-cache that fits: {format_bytes(room)}" in out
+
+
+def test_directories_in_paths_are_probed_like_jax_mlp_probe(tmp_path, capsys):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    fast.mkdir(), slow.mkdir()
+    out = plan(capsys, "--params", "1M", "--paths", str(fast), f"{slow},pfs=1GB/s", "--probe-size", "2MiB")
+    for directory in (fast, slow):
+        assert f"probed {directory}: read " in out
+        row = next(line for line in out.splitlines() if line.startswith(f"{directory} "))
+        assert row.split()[-1] == "GiB", row  # its free space: a directory here
+        assert not os.path.exists(directory / PROBE_DIRECTORY)
+    assert any(line.startswith("pfs ") for line in out.splitlines())
+
+
+def test_rates_are_read_first_in_probe_and_in_plan(tmp_path, capsys):
+    assert cli._declared_speed("nvme=4GB/s:1GB/s") == PathSpeed("nvme", 4e9, 1e9)
+    assert cli._declared_speed("nvme=4GB/s") == PathSpeed("nvme", 4e9, 4e9)
+    assert cli.main(["probe", str(tmp_path), "--size", "2MiB", "--record", "1MiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["path", "read", "write"]
+    read, write = (float(figure) * 1e6 for figure in lines[1].split()[1:5:2])
+    (pasted,) = lines[-1].removeprefix("for jax-mlp plan elsewhere: --paths ").split(",")
+    speed = cli._declared_speed(pasted)
+    assert speed == PathSpeed(str(tmp_path), read, write)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "0"], "must be positive"),
+        (["--params", "1B", "--nodes", "0"], "--nodes must be at least 1"),
+        (["--params", "1B", "--contention", "0"], "--contention must be in (0, 1]"),
+        (["--params", "1B", "--tflops", "300"], "--tokens-per-step"),
+        (["--params", "1B", "--tflops", "300", "--compute-s", "1"], "not both"),
+        (["--params", "1B", "--paths", "/no/such/dir"], "neither a directory here nor NAME=RATE"),
+    ],
+)
+def test_mistakes_are_one_line_and_status_2(args, message, capsys):
+    paths = [] if "--paths" in args else ["--paths", "nvme=5GB/s"]
+    assert cli.main(["plan", *args, *paths]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("jax-mlp plan: error:") and message in error and len(error.splitlines()) == 1, error
