@@ -26,8 +26,9 @@
 from __future__ import annotations
 
 import collections
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from jax_mlp import model
@@ -44,6 +45,11 @@ HOLD = 4
 """Updates a moved subgroup stays on the path it was moved to."""
 DISTINCT_LOADS = 0.2
 """How much two updates' bytes on a path must differ for the pair to tell its rate from its burst."""
+CHANGE = 1.5
+"""How far off the estimate's busy time an update must be, twice in a row, to count as a change of the path."""
+SUDDEN = 2.0
+"""How far off it must be to count as a change at once."""
+_ROUNDINGS = (round, math.floor, math.ceil)
 
 
 class Measured(NamedTuple):
@@ -71,10 +77,12 @@ def shift_placement(
     record_bytes: Sequence[int],
     shares: Sequence[float],
     movable: Sequence[bool] | None = None,
+    rounding: Callable[[float], int] = round,
 ) -> list[int]:
     """Moves as few records as it takes to reach ``shares``, spread evenly along the update order.
 
-    Only records whose ``movable`` is true move (all, by default).
+    Only records whose ``movable`` is true move (all, by default). ``rounding`` turns the records a
+    path holds too many into a whole count.
     """
     placement = list(placement)
     movable = movable or [True] * len(placement)
@@ -86,7 +94,7 @@ def shift_placement(
         mine = [k for k, p in enumerate(placement) if p == source and movable[k]]
         if deficit[source] >= 0 or not mine:
             continue
-        count = min(len(mine), round(-deficit[source] / (sum(record_bytes[k] for k in mine) / len(mine))))
+        count = min(len(mine), rounding(-deficit[source] / (sum(record_bytes[k] for k in mine) / len(mine))))
         for j in range(count):
             subgroup = mine[int((j + 0.5) * len(mine) / count)]
             target = max(range(len(shares)), key=lambda i: deficit[i])
@@ -117,45 +125,103 @@ class PathEstimate:
         self.start = start
         self.samples = {kind: collections.deque(maxlen=WINDOW) for kind in ("read", "write")}
         self.serial: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.off = {"read": 1.0, "write": 1.0}  # the last update's busy time over the estimate's, if off
+        self.since_change = {"read": False, "write": False}
+        self.credit: dict[str, float | None] = {
+            "read": None,
+            "write": None,
+        }  # the last burst fitted across loads, in seconds of its rate
+        self.changed = False
 
     def add(self, usage: Usage) -> None:
-        """Takes in one update's usage of the path."""
+        """Takes in one update's usage of the path, and notes whether the path changed (see :meth:`_take`)."""
         read, write = usage.read_busy_seconds, usage.write_busy_seconds
+        self.changed = False
         if usage.bytes_read and read > 0:
-            self.samples["read"].append((usage.bytes_read, read))
+            self._take("read", usage.bytes_read, read)
         if usage.bytes_written and write > 0:
-            self.samples["write"].append((usage.bytes_written, write))
+            self._take("write", usage.bytes_written, write)
         if read > 0 and write > 0:
             overlap = (usage.busy_seconds - max(read, write)) / min(read, write)
             self.serial.append(min(1.0, max(0.0, overlap)))
 
+    def _take(self, kind: str, nbytes: int, busy: float) -> None:
+        """Adds one direction's sample; if the path changed, keeps only the samples since.
+
+        A change is a busy time ``SUDDEN`` times off the estimate's, or ``CHANGE`` times off in the
+        same sense twice in a row, that a burst cannot explain: slower with no more bytes than the
+        last update, or faster with no fewer (a burst lets a smaller load through faster, a larger
+        one relatively slower). A change replaces the window, so the split follows the path at once
+        instead of waiting for the medians.
+        """
+        samples = self.samples[kind]
+        off = busy / self.expected(kind, nbytes) if self.measured(kind) else 1.0
+        if samples and (
+            nbytes > (1 + DISTINCT_LOADS) * samples[-1][0]
+            if off > 1
+            else nbytes < (1 - DISTINCT_LOADS) * samples[-1][0]
+        ):
+            off = 1.0  # what a burst does
+        before = self.off[kind]
+        again = _far(before) >= CHANGE and _far(off) >= CHANGE and (before - 1) * (off - 1) > 0
+        if again or _far(off) >= SUDDEN:
+            kept = [samples[-1]] if again else []  # the first update of the change already saw it
+            samples.clear()
+            samples.extend(kept)
+            self.since_change[kind] = self.changed = True
+            off = 1.0
+        self.off[kind] = off
+        samples.append((nbytes, busy))
+        if _slopes(list(samples)):
+            rate, burst = _fit(samples)
+            self.credit[kind] = burst / rate
+
+    def expected(self, kind: str, nbytes: float) -> float:
+        """The busy time the estimate gives ``kind`` for ``nbytes`` (at least a microsecond)."""
+        speed = self.speed
+        rate, burst = (
+            (speed.read_bandwidth, speed.read_burst) if kind == "read" else (speed.write_bandwidth, speed.write_burst)
+        )
+        return max(1e-6, (nbytes - burst) / rate)
+
     def measured(self, kind: str) -> bool:
-        """Whether ``kind`` (read or write) has enough measurements to be trusted."""
-        return len(self.samples[kind]) >= MIN_SAMPLES
+        """Whether ``kind`` (read or write) has enough measurements to be trusted: one since a change."""
+        return len(self.samples[kind]) >= (1 if self.since_change[kind] else MIN_SAMPLES)
 
     def fitted(self, kind: str) -> bool:
-        """Whether ``kind``'s loads have differed enough to tell its rate from its burst."""
-        return bool(_slopes(list(self.samples[kind])))
+        """Whether ``kind``'s loads have differed enough, now or before, to tell its rate from its burst."""
+        return self.credit[kind] is not None
 
     @property
     def speed(self) -> PathSpeed:
         """The estimate: each measured direction's fitted rate and burst, else the starting ones."""
         start = self.start
-        read = _fit(self.samples["read"]) or (start.read_bandwidth, start.read_burst)
-        write = _fit(self.samples["write"]) or (start.write_bandwidth, start.write_burst)
+        read = _fit(self.samples["read"], self.credit["read"] or 0.0) or (start.read_bandwidth, start.read_burst)
+        write = _fit(self.samples["write"], self.credit["write"] or 0.0) or (start.write_bandwidth, start.write_burst)
         serial = statistics.median(self.serial) if self.serial else start.serial
         return PathSpeed(start.name, read[0], write[0], serial, read[1], write[1])
 
 
-def _fit(samples: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
-    """The rate and burst of ``(bytes, busy seconds)`` samples (see :class:`PathEstimate`); None if none."""
+def _far(ratio: float) -> float:
+    """How far a ratio is from 1, either way."""
+    return max(ratio, 1 / ratio)
+
+
+def _fit(samples: Sequence[tuple[float, float]], credit: float = 0.0) -> tuple[float, float] | None:
+    """The rate and burst of ``(bytes, busy seconds)`` samples (see :class:`PathEstimate`); None if none.
+
+    When the loads have not differed, the burst is taken as ``credit`` seconds of the rate, as last
+    fitted across loads: a placement that has settled, or a throttle whose rate changed, still lets
+    that much through after idle time (a kernel throttle credits a fixed time slice of its rate).
+    """
     if not samples:
         return None
     samples = list(samples)
-    plain = statistics.median(nbytes / busy for nbytes, busy in samples)  # a burst only makes it higher
     slopes = _slopes(samples)
     if not slopes:
-        return plain, 0.0
+        rate = statistics.median(nbytes / (busy + credit) for nbytes, busy in samples)
+        return rate, rate * credit
+    plain = statistics.median(nbytes / busy for nbytes, busy in samples)  # a burst only makes it higher
     rate = min(statistics.median(slopes), plain)
     burst = statistics.median(b - rate * t for b, t in samples)
     return rate, min(max(0.0, burst), min(b for b, _ in samples))
@@ -290,17 +356,23 @@ class Scheduler:
         self.updates += 1
         self.last_moves = 0
         loads = self.loads(cache_bytes)
+        changed = any(estimate.changed for estimate in self.estimates)
+        if changed:
+            self._settled.clear()
         if not self.rebalance or not self._measured(loads):
             return
-        if measured is not None:
+        if measured is not None and not changed:
             self._settled.append(measured)
         speeds = self.speeds
         shares = loads.shares(speeds)
-        if not self._fitted(loads):  # rates still inflated by bursts: go halfway, which also varies the loads
+        if not changed and not self._fitted(loads):  # rates inflated by bursts: go halfway, varying the loads
             held = self.held_shares()
             shares = tuple((a + b) / 2 for a, b in zip(held, shares, strict=True))
-        movable = [self.updates - moved >= HOLD for moved in self._moved_at]
-        placement = shift_placement(self.placement, self.record_bytes, shares, movable)
+        movable = [changed or self.updates - moved >= HOLD for moved in self._moved_at]
+        placement = min(  # whole records: the split's count rounded either way, whichever predicts faster
+            (shift_placement(self.placement, self.record_bytes, shares, movable, rounding) for rounding in _ROUNDINGS),
+            key=lambda candidate: loads.seconds(speeds, candidate, candidate),
+        )
         now = loads.seconds(speeds, self.placement, self.placement)
         gain = now - loads.seconds(speeds, placement, placement)
         moving = loads.seconds(speeds, self.placement, placement) - now  # reads still from the old paths

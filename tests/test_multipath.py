@@ -23,7 +23,7 @@ import pytest
 import jax_mlp
 from jax_mlp import report
 from jax_mlp.model import PathSpeed
-from jax_mlp.scheduler import HOLD, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
+from jax_mlp.scheduler import HOLD, SUDDEN, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
 from jax_mlp.storage.traffic import Traffic, Usage
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -179,16 +179,75 @@ def test_estimates_fit_rate_and_burst_so_a_lightly_loaded_path_does_not_look_fas
     assert pipe.speed.serial == 1.0 and pipe.speed.seconds(100, 100) == 2.0
 
 
-def test_a_moved_subgroup_stays_put_while_held():
+def test_a_moved_subgroup_stays_put_while_held_against_noise():
     scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
     fast, slow = Usage(RECORD, RECORD, 0.1, 0.1, 0.1), Usage(RECORD, RECORD, 0.4, 0.4, 0.4)
     for _ in range(3):
         scheduler.observe([fast, slow])
     moved = {k for k, p in enumerate(scheduler.placement) if p == 0} - {k for k in range(RECORDS) if k % 2 == 0}
     assert scheduler.last_moves == len(moved) > 0
-    for _ in range(HOLD - 1):  # the paths swap speeds at once: the moved subgroups may not follow yet
-        scheduler.observe([slow, fast])
+    noisy = Usage(RECORD, RECORD, 0.14, 0.14, 0.14)  # 1.4 times off: less than a change
+    for _ in range(HOLD - 1):  # the fast path looks much closer to the slow one: the moved ones stay
+        scheduler.observe([noisy, slow])
         assert all(scheduler.placement[k] == 0 for k in moved)
+        assert not any(estimate.changed for estimate in scheduler.estimates)
+
+
+def converge(simulation: Simulation, updates: int = 12) -> None:
+    for _ in range(updates):
+        simulation.update()
+    assert simulation.scheduler.last_moves == 0 and not simulation.scheduler.fallback
+
+
+def follow(simulation: Simulation, paths: tuple[Device, ...], updates: int) -> tuple[list[float], list[list[int]]]:
+    """Runs ``updates`` updates on ``paths``; returns their I/O times and each one's placement after it."""
+    simulation.paths = paths
+    times, placements = [], []
+    for _ in range(updates):
+        times.append(simulation.update())
+        placements.append(list(simulation.scheduler.placement))
+    return times, placements
+
+
+@pytest.mark.parametrize("pair", [(NVME, PFS), (KERNEL_NVME, KERNEL_PFS)], ids=["bursts", "kernel-like-bursts"])
+@pytest.mark.parametrize("cut", [4.0, 1.6], ids=["quarter", "to-1/1.6"])
+def test_a_cap_cut_mid_run_is_followed_within_3_updates_and_then_settles(pair, cut):
+    fast, slow = pair
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    simulation = Simulation(scheduler, pair)
+    converge(simulation)
+    cut_pair = (fast, slow._replace(read_rate=slow.read_rate / cut, write_rate=slow.write_rate / cut))
+    _, best = best_update(cut_pair)
+    times, placements = follow(simulation, cut_pair, 10)
+    moved_by = 1 if cut >= SUDDEN else 2  # a smaller change waits for a second update to confirm it
+    assert placements[moved_by - 1] == placements[-1], f"the new split is taken after update {moved_by}"
+    # the update after the move still reads the moved records from the path they leave
+    assert all(t <= 1.15 * best for t in times[moved_by + 1 :]), f"then within 15% of the best split: {times}, {best}"
+    settled = [a == b for a, b in itertools.pairwise(placements)]
+    assert all(settled[moved_by - 1 :]), "and no more moves"
+    for k in range(RECORDS):
+        visited = [placement[k] for placement in placements]
+        assert sum(a != b for a, b in itertools.pairwise(visited)) <= 1, f"subgroup {k} moved back: {visited}"
+
+
+@pytest.mark.parametrize("pair", [(NVME, PFS), (KERNEL_NVME, KERNEL_PFS)], ids=["bursts", "kernel-like-bursts"])
+def test_contention_on_the_slow_path_is_followed_and_undone_within_3_updates(pair):
+    fast, slow = pair
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    simulation = Simulation(scheduler, pair)
+    converge(simulation)
+    before = list(scheduler.placement)
+    shared = (fast, slow._replace(read_rate=slow.read_rate / 2, write_rate=slow.write_rate / 2))
+    _, best_shared = best_update(shared)
+    _, best_alone = best_update(pair)
+    during, _ = follow(simulation, shared, 6)
+    assert scheduler.placement.count(1) < before.count(1), "subgroups left the contended path"
+    assert all(t <= 1.15 * best_shared for t in during[2:]), (during, best_shared)
+    after, placements = follow(simulation, pair, 8)
+    assert all(t <= 1.15 * best_alone for t in after[2:]), (after, best_alone)
+    assert all(a == b for a, b in itertools.pairwise(placements[3:])), "settled again from the 4th update on"
+    share = scheduler.placement.count(0) / RECORDS
+    assert abs(share - before.count(0) / RECORDS) <= 0.1, "back to about the split before the contention"
 
 
 def test_traffic_meters_busy_time_per_direction_and_their_union():
