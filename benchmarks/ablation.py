@@ -37,8 +37,11 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import devices
@@ -48,6 +51,7 @@ import optax
 
 import jax_mlp
 from jax_mlp import model, quantized
+from jax_mlp.config import OffloadConfig
 from jax_mlp.model import PathSpeed
 from jax_mlp.partition import Plan
 from jax_mlp.stats import UpdateStats
@@ -63,12 +67,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow", default="48MB/s", help="cap of the slow path (the PFS)")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--iterations", type=int, default=7)
-    parser.add_argument("--depth", type=int, default=4, help="prefetch and write depth of every variant (caps only)")
+    parser.add_argument(
+        "--depth", type=int, default=None, help="prefetch and write depth of every variant (default: the library's)"
+    )
     parser.add_argument(
         "--devices",
         choices=("caps", "real"),
         default="caps",
         help="emulate the tiers with the library's caps, or make real kernel-throttled devices (root)",
+    )
+    parser.add_argument("--equal", default="200MB/s", help="rate of both devices of the equal pair (real only)")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each pair of real devices, each on fresh ones")
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="real only: also run the full scheduler with another process loading the slow device mid-run",
     )
     parser.add_argument("--idle", type=float, default=0.4, help="seconds of simulated forward/backward")
     parser.add_argument("--dir", default=None, help="where the emulated tiers live (default: a temp dir)")
@@ -96,8 +109,14 @@ def make_params(state_bytes: int) -> dict:
     return {f"w{i}": jnp.full((rows // 4, 1024), 0.01 * (i + 1), jnp.float32) for i in range(4)}
 
 
-def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int) -> dict:
-    """mlp_offload options that turn the variant's mechanisms on or off."""
+def prefetch_depth(depth: int | None = None) -> int:
+    """The prefetch depth the variants run with: ``--depth``, else the library's default."""
+    return depth if depth is not None else OffloadConfig("/unused").prefetch_depth
+
+
+def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int | None) -> dict:
+    """mlp_offload options that turn the variant's mechanisms on or off; the depths default to the library's."""
+    depths = {} if depth is None else dict(prefetch_depth=depth, write_depth=depth)
     return dict(
         paths=[fast, slow] if variant.multipath else [fast],
         host_cache=cache if variant.alternate else 0,
@@ -106,8 +125,7 @@ def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, 
         rebalance=variant.balanced,
         idle_prefetch=variant.balanced,
         node_lock=variant.node_lock,
-        prefetch_depth=depth,
-        write_depth=depth,
+        **depths,
     )
 
 
@@ -265,7 +283,7 @@ def predict_row(
         cache_bytes=tiers.cache,
         compute_seconds=compute_seconds,
         idle_seconds=args.idle,
-        prefetch_depth=args.depth,
+        prefetch_depth=prefetch_depth(args.depth),
     )
 
 
@@ -371,7 +389,7 @@ def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_sec
         cache_bytes=tiers.cache,
         compute_seconds=compute_seconds,
         idle_seconds=args.idle,
-        prefetch_records=args.depth,
+        prefetch_records=prefetch_depth(args.depth),
     ).seconds
     moves = _placement_of(runner.tx).moves
     runner.tx.close(delete=True)
@@ -420,17 +438,33 @@ def plot(result: dict, path: str) -> None:
 
 
 REAL_VARIANTS = {
+    "fast path alone, no cache": dict(paths=("fast",), host_cache=0),
     "fast path alone": dict(paths=("fast",)),
     "full": dict(paths=("fast", "slow")),
-    "full, probed split, no rebalancing": dict(paths=("fast", "slow"), probe=True, rebalance=False),
 }
-"""The variants run on real devices, all with the library's default options otherwise."""
+"""The variants run on real devices, all with the library's default options otherwise (``--cache-fraction``
+of the state in the host cache unless the variant says)."""
+
+CONTENDER = """
+import mmap, os, sys
+buffer, path = mmap.mmap(-1, 4 << 20), os.path.join(sys.argv[1], "contender")
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+while True:
+    for offset in range(0, 64 << 20, 4 << 20):
+        os.pwrite(fd, buffer, offset)
+    for offset in range(0, 64 << 20, 4 << 20):
+        os.preadv(fd, [buffer], offset)
+"""
+"""Another job on the slow device: O_DIRECT writes and reads of a 64 MiB file, 4 MiB at a time, forever."""
 
 
-def real_pairs(tiers: Tiers) -> dict[str, tuple[devices.Throttle, devices.Throttle]]:
-    """The device pairs of ``--devices real``: the fast and the slow device, then two fast ones."""
-    fast, slow = devices.Throttle(tiers.fast_cap, tiers.fast_cap), devices.Throttle(tiers.slow_cap, tiers.slow_cap)
-    return {"fast+slow": (fast, slow), "equal": (fast, fast)}
+def real_pairs(args: argparse.Namespace) -> dict[str, tuple[devices.Throttle, devices.Throttle]]:
+    """The device pairs of ``--devices real``: ``--fast`` and ``--slow``, then two ``--equal`` ones."""
+    fast, slow, equal = (jax_mlp.parse_rate(rate) for rate in (args.fast, args.slow, args.equal))
+    return {
+        "fast+slow": (devices.Throttle(fast, fast), devices.Throttle(slow, slow)),
+        "equal": (devices.Throttle(equal, equal), devices.Throttle(equal, equal)),
+    }
 
 
 def real_ideal(variant: dict, pair: tuple[devices.Throttle, ...], plan: Plan, tiers: Tiers, floor: float, idle: float):
@@ -441,15 +475,18 @@ def real_ideal(variant: dict, pair: tuple[devices.Throttle, ...], plan: Plan, ti
         speeds,
         num_records=len(plan.subgroups),
         record_bytes=mean_record_bytes(plan),
-        cache_bytes=tiers.cache,
+        cache_bytes=variant.get("host_cache", tiers.cache),
         compute_seconds=floor,
         idle_seconds=idle,
-        prefetch_records=2,  # the default prefetch_depth, read in the idle time before the update
+        prefetch_records=prefetch_depth(),  # the default, read in the idle time before the update
     ).seconds
 
 
-def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tuple[devices.Throttle, ...]) -> dict:
-    """Makes the two devices, steps a compute floor and each real variant interleaved on them, and sums up."""
+@contextlib.contextmanager
+def real_runners(
+    args: argparse.Namespace, params: dict, tiers: Tiers, pair: tuple, variants: dict
+) -> Iterator[tuple[devices.Devices, Runner, dict[str, Runner]]]:
+    """Makes the two devices, joins their cgroup, and yields them, a compute floor and a runner per variant."""
     with devices.throttled_devices(pair, size=16 * tiers.state_bytes) as made, contextlib.ExitStack() as runs:
         devices.join(made)
         mounts = dict(zip(("fast", "slow"), (device.mount for device in made.devices), strict=True))
@@ -463,11 +500,17 @@ def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tu
         )
         runs.callback(floor.tx.close, delete=True)
         runners = {}
-        for index, (name, variant) in enumerate(REAL_VARIANTS.items()):
-            options = {key: value for key, value in variant.items() if key != "paths"}
+        for index, (name, variant) in enumerate(variants.items()):
+            options = {"host_cache": tiers.cache, **{key: value for key, value in variant.items() if key != "paths"}}
             paths = [f"{mounts[path]}/{index}" for path in variant["paths"]]
-            runners[name] = Runner(name, params, args.subgroup_size, paths=paths, host_cache=tiers.cache, **options)
+            runners[name] = Runner(name, params, args.subgroup_size, paths=paths, **options)
             runs.callback(runners[name].tx.close, delete=True)
+        yield made, floor, runners
+
+
+def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tuple[devices.Throttle, ...]) -> dict:
+    """One run on a fresh pair of devices: every real variant and a compute floor stepped interleaved."""
+    with real_runners(args, params, tiers, pair, REAL_VARIANTS) as (_, floor, runners):
         step_interleaved([floor, *runners.values()], args.iterations, args.idle)
     compute = statistics.median(floor.times[1:])
     plan = floor.tx.offloader.plan
@@ -475,28 +518,73 @@ def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tu
         name: real_row(runner, REAL_VARIANTS[name], pair, plan, tiers, compute, args.idle)
         for name, runner in runners.items()
     }
-    alone, full = rows["fast path alone"]["median_update_s"], rows["full"]["median_update_s"]
-    return {"compute_floor_s": compute, "rows": rows, "full_vs_fast_alone": alone / full}
+    baseline, cached, full = (rows[name] for name in REAL_VARIANTS)
+    speedup = baseline["median_update_s"] / full["median_update_s"]
+    ideal_speedup = baseline["ideal_s"] / full["ideal_s"]
+    last = full["update_s"][-5:]
+    return {
+        "compute_floor_s": compute,
+        "rows": rows,
+        "speedup": speedup,
+        "ideal_speedup": ideal_speedup,
+        "of_ideal_speedup": speedup / ideal_speedup,
+        "last_5_swing": max(last) / min(last),
+        "full_vs_fast_alone_same_cache": cached["median_update_s"] / full["median_update_s"],
+    }
 
 
 def real_row(runner: Runner, variant: dict, pair: tuple, plan: Plan, tiers: Tiers, compute: float, idle: float) -> dict:
-    """A real variant's updates (the median of the 4th on), its ideal, and each update's moves."""
+    """A real variant's updates (the median of the 4th on), the model's prediction, and each update's moves."""
     steady = statistics.median(runner.times[3:])
     ideal = real_ideal(variant, pair, plan, tiers, compute, idle)
     return {
         "median_update_s": steady,
         "update_s": runner.times,
         "ideal_s": ideal,
-        "of_ideal": ideal / steady,
+        "model_error": ideal / steady - 1,
         "moves": [stats["moves"] for stats in runner.stats],
         "fallback": runner.stats[-1]["fallback"],
+        "bandwidth": runner.stats[-1].get("bandwidth"),
         "bytes_read": _bytes_by_path(runner.stats[-1], "bytes_read"),
         "bytes_written": _bytes_by_path(runner.stats[-1], "bytes_written"),
     }
 
 
+def run_contention(args: argparse.Namespace, params: dict, tiers: Tiers) -> dict:
+    """The full scheduler on the fast and slow devices while another process loads the slow one mid-run.
+
+    Updates ``[iterations, 2·iterations)`` run with the contender (in the devices' cgroup, so it
+    shares the slow device's throttle); the ones before and after without.
+    """
+    pair = real_pairs(args)["fast+slow"]
+    variants = {"full": REAL_VARIANTS["full"]}
+    phases = ("before", "during", "after")
+    with real_runners(args, params, tiers, pair, variants) as (made, _, runners):
+        full = runners["full"]
+        shares = []
+        for phase in phases:
+            with contextlib.ExitStack() as stack:
+                if phase == "during":
+                    contender = subprocess.Popen([sys.executable, "-c", CONTENDER, made.devices[1].mount])
+                    devices.join(made, contender.pid)  # before its first transfer: Python takes longer to start
+                    stack.callback(contender.wait)
+                    stack.callback(contender.kill)
+                for _ in range(args.iterations):
+                    full.step()
+                    shares.append(_placement_of(full.tx).shares)
+                    time.sleep(args.idle)
+    n = args.iterations
+    return {
+        "throttles_bytes_per_s": [t.read_bps for t in pair],
+        "update_s": {phase: full.times[i * n : (i + 1) * n] for i, phase in enumerate(phases)},
+        "moves": {phase: [s["moves"] for s in full.stats[i * n : (i + 1) * n]] for i, phase in enumerate(phases)},
+        "slow_share": {phase: [sh[1] for sh in shares[i * n : (i + 1) * n]] for i, phase in enumerate(phases)},
+        "bandwidth": [s.get("bandwidth") for s in full.stats],
+    }
+
+
 def run_real(args: argparse.Namespace) -> dict:
-    """``--devices real``: every pair of :func:`real_pairs`, one after the other; prints and writes the result."""
+    """``--devices real``: ``--runs`` runs of every pair of :func:`real_pairs`; prints and writes the result."""
     tiers = tiers_of(args)
     params = make_params(tiers.state_bytes)
     result = {
@@ -505,21 +593,38 @@ def run_real(args: argparse.Namespace) -> dict:
         "subgroup_size": args.subgroup_size,
         "idle_s": args.idle,
         "pairs": {
-            name: {"throttles_bytes_per_s": [t.read_bps for t in pair], **run_real_pair(args, params, tiers, pair)}
-            for name, pair in real_pairs(tiers).items()
+            name: {
+                "throttles_bytes_per_s": [t.read_bps for t in pair],
+                "runs": [run_real_pair(args, params, tiers, pair) for _ in range(args.runs)],
+            }
+            for name, pair in real_pairs(args).items()
         },
     }
+    if args.contention:
+        result["contention"] = run_contention(args, params, tiers)
     with open(os.path.join(args.out, "ablation_real.json"), "w") as f:
         json.dump(result, f, indent=2)
     for name, pair in result["pairs"].items():
         rates = " / ".join(f"{rate / 1e6:.0f}" for rate in pair["throttles_bytes_per_s"])
-        print(f"{name} ({rates} MB/s each way), compute floor {pair['compute_floor_s']:.3f} s:")
-        for variant, row in pair["rows"].items():
-            print(
-                f"  {variant:<36} median {row['median_update_s']:.3f} s   ideal {row['ideal_s']:.3f} s "
-                f"({row['of_ideal']:.0%})   moves {row['moves']}{'   fell back' if row['fallback'] else ''}"
+        print(f"{name} ({rates} MB/s each way):")
+        for run in pair["runs"]:
+            medians = "  ".join(
+                f"{variant} {row['median_update_s']:.3f} s (model {row['model_error']:+.0%})"
+                for variant, row in run["rows"].items()
             )
-        print(f"  full vs fast path alone: {pair['full_vs_fast_alone']:.2f}x")
+            print(
+                f"  {medians}; speedup {run['speedup']:.2f}x of ideal {run['ideal_speedup']:.2f}x "
+                f"({run['of_ideal_speedup']:.0%}), last 5 swing {run['last_5_swing']:.2f}x, "
+                f"vs fast alone same cache {run['full_vs_fast_alone_same_cache']:.2f}x, "
+                f"moves {run['rows']['full']['moves']}"
+            )
+    if args.contention:
+        contention = result["contention"]
+        for phase, times in contention["update_s"].items():
+            print(
+                f"contention {phase}: updates {[round(t, 2) for t in times]} moves {contention['moves'][phase]} "
+                f"slow share {[round(s, 2) for s in contention['slow_share'][phase]]}"
+            )
     return result
 
 

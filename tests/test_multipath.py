@@ -1,18 +1,13 @@
 """Multi-path placement against devices that behave like real ones: per-direction throttles, bursts after idle.
 
-The scheduler is driven by a simulated device model (no clock), and the harness of real throttled
-devices (``benchmarks/devices.py``) is checked to throttle.
+The scheduler is driven by a simulated device model (no clock); ``test_devices.py`` runs the library on
+real kernel-throttled devices.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import mmap
-import os
-import pathlib
-import sys
-import time
 from typing import NamedTuple
 
 import jax
@@ -25,9 +20,6 @@ from jax_mlp import report
 from jax_mlp.model import PathSpeed
 from jax_mlp.scheduler import HOLD, SUDDEN, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
 from jax_mlp.storage.traffic import Traffic, Usage
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-import devices
 
 MB = 1e6
 RECORD = 8 * 2**20
@@ -258,31 +250,6 @@ def test_traffic_meters_busy_time_per_direction_and_their_union():
     assert (usage.bytes_read, usage.bytes_written) == (2_000_000, 1_000_000)
     assert usage.read_busy_seconds >= usage.busy_seconds >= usage.write_busy_seconds > 0
     assert traffic.take_usage() == Usage(0, 0, 0.0, 0.0, 0.0)
-
-
-@pytest.fixture
-def throttled():
-    """One real loop device throttled by the kernel to 20 MB/s each way, this process in its cgroup."""
-    try:
-        devices.check_support()
-    except devices.Unsupported as error:
-        pytest.skip(str(error))
-    with devices.throttled_devices([devices.Throttle(20e6, 20e6)], 256 * 2**20) as made:
-        devices.join(made)
-        yield made.devices[0]
-
-
-def test_the_harness_throttles_direct_writes(throttled):
-    buffer = mmap.mmap(-1, 2**20)  # page-aligned, as O_DIRECT needs
-    fd = os.open(os.path.join(throttled.mount, "data"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
-    start = time.monotonic()
-    try:
-        for _ in range(32):
-            os.write(fd, buffer)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    assert time.monotonic() - start >= 1.3, "32 MiB at 20 MB/s take 1.68 s, less what a burst lets through"
 
 
 def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path):
