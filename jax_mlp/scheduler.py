@@ -133,35 +133,48 @@ class PathEstimate:
         }  # the last burst fitted across loads, in seconds of its rate
         self.changed = False
 
-    def add(self, usage: Usage) -> None:
-        """Takes in one update's usage of the path, and notes whether the path changed (see :meth:`_take`)."""
-        read, write = usage.read_busy_seconds, usage.write_busy_seconds
+    def surprise(self, usage: Usage) -> dict[str, float]:
+        """Each direction's busy time in ``usage`` over what the estimate predicts for its bytes.
+
+        1 where the direction was idle, is not yet measured, or where a burst explains it: slower
+        with more bytes than the last update, or faster with fewer (a burst lets a smaller load
+        through relatively faster).
+        """
+        off = {}
+        for kind, nbytes, busy in _directions(usage):
+            samples = self.samples[kind]
+            ratio = busy / self.expected(kind, nbytes) if self.measured(kind) and nbytes and busy > 0 else 1.0
+            last = samples[-1][0] if samples else nbytes
+            if nbytes > (1 + DISTINCT_LOADS) * last if ratio > 1 else nbytes < (1 - DISTINCT_LOADS) * last:
+                ratio = 1.0
+            off[kind] = ratio
+        return off
+
+    def add(self, usage: Usage, off: dict[str, float] | None = None) -> None:
+        """Takes in one update's usage of the path, and whether it changed (see :meth:`_take`).
+
+        Args:
+          usage: the path's bytes and busy times of one update.
+          off: each direction's :meth:`surprise`, as the scheduler judges it (default: as this path does).
+        """
+        off = self.surprise(usage) if off is None else off
         self.changed = False
-        if usage.bytes_read and read > 0:
-            self._take("read", usage.bytes_read, read)
-        if usage.bytes_written and write > 0:
-            self._take("write", usage.bytes_written, write)
+        for kind, nbytes, busy in _directions(usage):
+            if nbytes and busy > 0:
+                self._take(kind, nbytes, busy, off[kind])
+        read, write = usage.read_busy_seconds, usage.write_busy_seconds
         if read > 0 and write > 0:
             overlap = (usage.busy_seconds - max(read, write)) / min(read, write)
             self.serial.append(min(1.0, max(0.0, overlap)))
 
-    def _take(self, kind: str, nbytes: int, busy: float) -> None:
+    def _take(self, kind: str, nbytes: int, busy: float, off: float) -> None:
         """Adds one direction's sample; if the path changed, keeps only the samples since.
 
         A change is a busy time ``SUDDEN`` times off the estimate's, or ``CHANGE`` times off in the
-        same sense twice in a row, that a burst cannot explain: slower with no more bytes than the
-        last update, or faster with no fewer (a burst lets a smaller load through faster, a larger
-        one relatively slower). A change replaces the window, so the split follows the path at once
-        instead of waiting for the medians.
+        same sense twice in a row (``off``, see :meth:`surprise`). A change replaces the window, so
+        the split follows the path at once instead of waiting for the medians.
         """
         samples = self.samples[kind]
-        off = busy / self.expected(kind, nbytes) if self.measured(kind) else 1.0
-        if samples and (
-            nbytes > (1 + DISTINCT_LOADS) * samples[-1][0]
-            if off > 1
-            else nbytes < (1 - DISTINCT_LOADS) * samples[-1][0]
-        ):
-            off = 1.0  # what a burst does
         before = self.off[kind]
         again = _far(before) >= CHANGE and _far(off) >= CHANGE and (before - 1) * (off - 1) > 0
         if again or _far(off) >= SUDDEN:
@@ -200,6 +213,11 @@ class PathEstimate:
         write = _fit(self.samples["write"], self.credit["write"] or 0.0) or (start.write_bandwidth, start.write_burst)
         serial = statistics.median(self.serial) if self.serial else start.serial
         return PathSpeed(start.name, read[0], write[0], serial, read[1], write[1])
+
+
+def _directions(usage: Usage) -> tuple[tuple[str, int, float], ...]:
+    """``(kind, bytes, busy seconds)`` of the read and the write direction of ``usage``."""
+    return ("read", usage.bytes_read, usage.read_busy_seconds), ("write", usage.bytes_written, usage.write_busy_seconds)
 
 
 def _far(ratio: float) -> float:
@@ -351,8 +369,9 @@ class Scheduler:
           cache_bytes: the host cache, whose records the next updates do not read.
           measured: the update's wall time and I/O wait, which the fallback compares with one path.
         """
-        for estimate, usage in zip(self.estimates, usages, strict=True):
-            estimate.add(usage)
+        offs = [estimate.surprise(usage) for estimate, usage in zip(self.estimates, usages, strict=True)]
+        for estimate, usage, off in zip(self.estimates, usages, _local(offs), strict=True):
+            estimate.add(usage, off)
         self.updates += 1
         self.last_moves = 0
         loads = self.loads(cache_bytes)
@@ -423,6 +442,23 @@ class Scheduler:
         """Whether every path has enough measurements of each direction the updates use."""
         kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
         return bool(kinds) and all(estimate.measured(kind) for estimate in self.estimates for kind in kinds)
+
+
+def _local(offs: Sequence[dict[str, float]]) -> list[dict[str, float]]:
+    """Each path's surprises, without those every path shares: all paths off together is the machine, not a path.
+
+    A direction counts as off only if no other path is off in the same sense by ``CHANGE`` or more.
+    """
+    local = []
+    for i, off in enumerate(offs):
+        others = [other for j, other in enumerate(offs) if j != i]
+        local.append(
+            {
+                kind: 1.0 if any(_far(o[kind]) >= CHANGE and (o[kind] - 1) * (ratio - 1) > 0 for o in others) else ratio
+                for kind, ratio in off.items()
+            }
+        )
+    return local
 
 
 def _fitting(order: Sequence[int], record_bytes: Sequence[int], cache_bytes: int) -> int:

@@ -274,3 +274,18 @@ def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path)
     titles = [ax.get_title() for ax in figure.axes]
     assert any(title.startswith(f"{report.PLACEMENT} ({scheduler.moves} moved in") for title in titles), titles
     assert any(title.startswith(f"{report.THROUGHPUT} (estimated read/write MB/s: p0 ") for title in titles), titles
+
+
+@pytest.mark.parametrize("pair", [(NVME, PFS), (KERNEL_NVME, KERNEL_PFS)], ids=["bursts", "kernel-like-bursts"])
+def test_a_stall_of_the_whole_machine_moves_nothing(pair):
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    simulation = Simulation(scheduler, pair)
+    converge(simulation)
+    placement = list(scheduler.placement)
+    stalled = tuple(d._replace(read_rate=d.read_rate / 3, write_rate=d.write_rate / 3) for d in pair)
+    for _ in range(2):  # every path 3 times slower for two updates, then back: the machine, not a path
+        follow(simulation, stalled, 1)
+        follow(simulation, pair, 1)
+    assert scheduler.placement == placement and not any(
+        estimate.since_change["read"] for estimate in scheduler.estimates
+    )
