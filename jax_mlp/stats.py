@@ -243,6 +243,7 @@ def update_stats(
     speeds: Sequence[Any],
     moves: int = 0,
     fallback: bool = False,
+    ended: float | None = None,
 ) -> UpdateStats:
     """The stats of one call, from what its pipeline run and its counters measured.
 
@@ -257,8 +258,10 @@ def update_stats(
       speeds: the scheduler's :class:`~jax_mlp.model.PathSpeed` per path.
       moves: subgroups the scheduler moved after this call.
       fallback: whether the scheduler has fallen back to the fastest path alone.
+      ended: the ``time.perf_counter()`` at which the call's pipeline ended (default: now), the
+        origin of its events with ``timings``: what ran since (the scheduler) is not the update's.
     """
-    started = time.perf_counter() - timings.total - extra_wait
+    started = (time.perf_counter() if ended is None else ended) - timings.total - extra_wait
     stored = collections.Counter(locations.values())
     return UpdateStats(
         step=step,

@@ -299,6 +299,7 @@ class StateStream:
 
         ``notes`` are further fields of its stats (those of the optimizer check, for an init).
         """
+        ended = time.perf_counter()
         self._total_compiles += compiles
         usages = [path.traffic.take_usage() for path in self.tiers.paths]
         waited = timings.read_wait + timings.write_wait + extra_wait
@@ -315,6 +316,7 @@ class StateStream:
             self.scheduler.speeds,
             self.scheduler.last_moves,
             self.scheduler.fallback,
+            ended,
         )
         self.last_stats = stats._replace(**notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update
