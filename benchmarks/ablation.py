@@ -20,13 +20,17 @@ Writes ``ablation.json`` and ``ablation.png`` into ``--out``.
 With ``--devices real`` the paths are real file systems throttled by the kernel instead
 (``devices.py``: loop-backed ext4 under a blkio cgroup, each direction throttled apart, with the
 bursts a throttle lets through after idle time), which the library's own caps cannot show. A fast
-(``--fast``) and a slow (``--slow``) device, then an equal pair of fast ones, each run the fast path
-alone, the full scheduler, and the full scheduler with its probed split and no rebalancing, all with
-the library's default options. Each is set against the model's ideal on those rates (full duplex),
-with the compute floor measured in the same loop. Needs root; writes ``ablation_real.json``.
+(``--fast``) and a slow (``--slow``) device, then two ``--equal`` ones, each run ``--runs`` times on
+fresh devices: the fast path alone without cache (the baseline), the fast path alone with the
+cache, and the full scheduler, all with the library's default options. Each is set against the
+model's prediction on those rates (full duplex), with the compute floor measured in the same loop;
+a run's figures are the medians of its last 5 updates. ``--contention`` adds a run of the full
+scheduler where another process does O_DIRECT writes and reads on the slow device (in the same
+cgroup, so it shares the throttle) for the middle third of its updates. Needs root; writes
+``ablation_real.json``.
 
-    sudo python benchmarks/ablation.py --devices real --fast 300MB/s --slow 100MB/s --state 256MiB \
-        --subgroup-size 8MiB --idle 1 --iterations 10 --out results/
+    sudo python benchmarks/ablation.py --devices real --fast 300MB/s --slow 90MB/s --equal 200MB/s \
+        --state 256MiB --subgroup-size 8MiB --idle 1 --iterations 14 --runs 5 --contention --out results/
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="emulate the tiers with the library's caps, or make real kernel-throttled devices (root)",
     )
     parser.add_argument("--equal", default="200MB/s", help="rate of both devices of the equal pair (real only)")
+    parser.add_argument(
+        "--pairs", default="fast+slow,equal", help="real only: which pairs of devices to run, comma-separated"
+    )
     parser.add_argument("--runs", type=int, default=1, help="runs of each pair of real devices, each on fresh ones")
     parser.add_argument(
         "--contention",
@@ -609,6 +616,7 @@ def run_real(args: argparse.Namespace) -> dict:
     """``--devices real``: ``--runs`` runs of every pair of :func:`real_pairs`; prints and writes the result."""
     tiers = tiers_of(args)
     params = make_params(tiers.state_bytes)
+    chosen = {name: pair for name, pair in real_pairs(args).items() if name in args.pairs.split(",")}
     result = {
         "state_bytes": tiers.state_bytes,
         "cache_bytes": tiers.cache,
@@ -619,10 +627,10 @@ def run_real(args: argparse.Namespace) -> dict:
                 "throttles_bytes_per_s": [t.read_bps for t in pair],
                 "runs": [],
             }
-            for name, pair in real_pairs(args).items()
+            for name, pair in chosen.items()
         },
     }
-    for name, pair in real_pairs(args).items():
+    for name, pair in chosen.items():
         print(f"{name} ({pair[0].read_bps / 1e6:.0f} / {pair[1].read_bps / 1e6:.0f} MB/s each way):", flush=True)
         for _ in range(args.runs):
             result["pairs"][name]["runs"].append(run_real_pair(args, params, tiers, pair))
