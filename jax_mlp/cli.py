@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
@@ -115,10 +116,25 @@ def parse_count(text: str, flag: str) -> float:
     return count
 
 
-def _probe(location: str, total: int, record: int, inflight: int) -> ProbeResult:
-    """``jax_mlp.storage.probe.probe`` of a directory, a failure as a :class:`UsageError`."""
+def _is_store(entry: str) -> bool:
+    """Whether a path argument names an object store: a URL (``s3://bucket/prefix``, not ``URL=RATE``) or a JSON spec."""
+    return ("://" in entry and "=" not in entry) or entry.lstrip().startswith("{")
+
+
+def _location(entry: str) -> str | dict:
+    """A path argument as ``Path`` takes it: a kvstore spec given as JSON (e.g. with an S3 ``endpoint``) as a dict."""
+    if not entry.lstrip().startswith("{"):
+        return entry
     try:
-        return probe(Path(location), total_bytes=total, record_bytes=record, inflight=inflight)
+        return json.loads(entry)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"path {entry!r} starts with '{{' but is not a JSON kvstore spec: {error}") from None
+
+
+def _probe(location: str, total: int, record: int, inflight: int) -> ProbeResult:
+    """``jax_mlp.storage.probe.probe`` of a directory or a store, a failure as a :class:`UsageError`."""
+    try:
+        return probe(Path(_location(location)), total_bytes=total, record_bytes=record, inflight=inflight)
     except OffloadError as error:
         raise UsageError(str(error)) from None
 
@@ -135,14 +151,14 @@ def _declared_speed(item: str) -> PathSpeed:
 
 
 def _path_speeds(entries: Sequence[str], probe_bytes: int) -> list[PathSpeed]:
-    """The speed of each ``--paths`` entry: a directory here is probed; ``NAME=READ:WRITE`` entries are read.
+    """The speed of each ``--paths`` entry: a directory here or a store is probed; ``NAME=READ:WRITE`` entries are read.
 
     An entry that is not a directory may list several paths, comma-separated.
     """
     speeds = []
     for entry in entries:
-        for item in [entry] if os.path.isdir(entry) else entry.split(","):
-            if os.path.isdir(item):
+        for item in [entry] if os.path.isdir(entry) or _is_store(entry) else entry.split(","):
+            if os.path.isdir(item) or _is_store(item):
                 result = _probe(item, probe_bytes, min(parse_size(PROBE_RECORD), probe_bytes), PROBE_INFLIGHT)
                 read, write = result.read_bandwidth / 1e6, result.write_bandwidth / 1e6
                 print(f"probed {result.path}: read {read:.0f} MB/s, write {write:.0f} MB/s")
@@ -175,22 +191,26 @@ def probe_command(args: argparse.Namespace) -> int:
     """``jax-mlp probe``: measures each path's bandwidth through the tier code, and its free space."""
     total, record = parse_size(args.size, name="--size"), parse_size(args.record, name="--record")
     results = [_probe(location, total, record, args.inflight) for location in args.paths]
-    rooms = [local.room(location) for location in args.paths]
+    rooms = [None if _is_store(location) else local.room(location) for location in args.paths]
     needs = None
     if args.state is not None:
         records = _records(
             parse_size(args.state, name="--state"), parse_size(args.subgroup_size, name="--subgroup-size")
         )
-        needs = _needs([model.measured_speed(r) for r in results], records, [room.block for room in rooms])
+        blocks = [capacity.BLOCK if room is None else room.block for room in rooms]
+        needs = _needs([model.measured_speed(r) for r in results], records, blocks)
     print(f"{'path':<40} {'read':>12} {'write':>12} {'free':>12}" + (f" {'needs':>12}" if needs else ""))
     for index, (result, room) in enumerate(zip(results, rooms, strict=True)):
         line = f"{result.path:<40} {result.read_bandwidth / 1e6:>9.0f} MB/s {result.write_bandwidth / 1e6:>9.0f} MB/s"
-        line += f" {format_bytes(room.free):>12}"
+        line += f" {'-' if room is None else format_bytes(room.free):>12}"
         if needs:
-            line += f" {format_bytes(needs[index]):>12}" + ("  (short)" if needs[index] > room.free else "")
+            short = room is not None and needs[index] > room.free
+            line += f" {format_bytes(needs[index]):>12}" + ("  (short)" if short else "")
         print(line)
     if needs:
         print(f"(needs: two slots of each record of its share of {args.state}, plus {capacity.HEADROOM:.0%} headroom)")
+    if None in rooms:
+        print("(free: -, an object store has no free-space figure, and init does not check its room)")
     rates = ",".join(f"{r.path}={r.read_bandwidth / 1e6:.0f}MB/s:{r.write_bandwidth / 1e6:.0f}MB/s" for r in results)
     print(f"for jax-mlp plan elsewhere: --paths {rates}")
     return 0
@@ -451,7 +471,13 @@ COMMANDS: tuple[Command, ...] = (
             "  jax-mlp probe /local/nvme/run1 /lustre/proj/run1 --state 80GiB"
         ),
         arguments=(
-            argument("paths", nargs="+", metavar="PATH", help="directories to measure (created if missing)"),
+            argument(
+                "paths",
+                nargs="+",
+                metavar="PATH",
+                help="directories to measure (created if missing), or object stores: a URL such as s3://bucket/prefix "
+                "or a tensorstore kvstore spec in JSON",
+            ),
             argument("--size", default=PROBE_SIZE, help="bytes written and read back per path (default: %(default)s)"),
             argument("--record", default=PROBE_RECORD, help="size of each record (default: %(default)s)"),
             argument(
@@ -483,8 +509,9 @@ COMMANDS: tuple[Command, ...] = (
             "  per step: the update plus the forward and backward (--compute-s, or estimated from --tflops);\n"
             "  and the gain of each mechanism of the paper.\n"
             "Subgroup size, depths, flush and host cache default to OffloadConfig's. Bandwidths are per node;\n"
-            "a directory in --paths is probed here, as jax-mlp probe does, and NAME=READ:WRITE takes the\n"
-            "rates in the order jax-mlp probe prints them.\n\n"
+            "a directory or an object store (s3://bucket/prefix, gs://bucket/prefix, a JSON kvstore spec) in\n"
+            "--paths is probed here, as jax-mlp probe does, and NAME=READ:WRITE takes the rates in the order\n"
+            "jax-mlp probe prints them.\n\n"
             "example:\n"
             "  jax-mlp plan --params 70B --paths nvme=5GB/s,pfs=2GB/s --host-cache 256GiB\n"
             "  jax-mlp plan --params 7B --master --paths nvme=7GB/s:5GB/s --processes-per-node 8 \\\n"

@@ -33,6 +33,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+TRANSFERS = ("auto", "pinned", "plain")  # how subgroups move between host and device: see jax_mlp.transfer
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -99,8 +100,28 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+_URL_SCHEMES = {"s3": "s3", "gcs": "gs"}
+"""The URL scheme of each object-store driver, for names: ``s3://bucket/prefix/``, ``gs://bucket/prefix/``."""
+
+
+def _parse_url(url: str) -> str | dict:
+    """A kvstore URL (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``memory://...``) as a spec; ``file://`` as a directory."""
+    import tensorstore as ts  # the spec parser of the kvstores themselves
+
+    try:
+        spec = ts.KvStore.Spec(url).to_json()
+    except ValueError as error:
+        raise OffloadError(
+            f"path {url!r} is not a tensorstore kvstore URL ({error}): give a directory, a URL such as "
+            "'s3://bucket/prefix' or 'gs://bucket/prefix', or a kvstore spec dict"
+        ) from None
+    if spec["driver"] == "file":
+        return spec["path"]
+    return spec
+
+
 def _normalise_location(location: str | os.PathLike | dict) -> str | dict:
-    """An absolute directory, or a tensorstore kvstore spec (a dict with a ``driver``) as given."""
+    """An absolute directory, or a tensorstore kvstore spec (a dict with a ``driver``, or parsed from a URL)."""
     if isinstance(location, dict):
         if "driver" not in location:
             raise OffloadError(
@@ -108,7 +129,31 @@ def _normalise_location(location: str | os.PathLike | dict) -> str | dict:
                 "e.g. {'driver': 'file', 'path': '/nvme/run'}"
             )
         return dict(location)
-    return os.path.abspath(os.path.expanduser(os.fspath(location)))
+    text = os.fspath(location)
+    if isinstance(text, str) and "://" in text:
+        parsed = _parse_url(text)
+        if isinstance(parsed, dict):
+            return parsed
+        text = parsed
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def kvstore_url(spec: Mapping[str, Any]) -> str:
+    """How messages and stats name a kvstore spec: ``s3://bucket/prefix/``, ``gs://bucket/prefix/``, ``memory://prefix/``.
+
+    Args:
+      spec: a tensorstore kvstore spec.
+
+    Returns:
+      The URL of the spec's prefix, ending in ``/``; an ``endpoint`` is not part of it.
+    """
+    prefix = spec.get("path", "")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    driver = spec["driver"]
+    if driver in _URL_SCHEMES:
+        return f"{_URL_SCHEMES[driver]}://{spec.get('bucket', '')}/{prefix}"
+    return f"{driver}://{prefix}"
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -120,7 +165,8 @@ class Path:
     absent they come from ``probe=True``, from the caps, or from measurement while running.
 
     Args:
-      location: a directory, or a tensorstore kvstore spec dict.
+      location: a directory; an object-store URL such as ``"s3://bucket/prefix"`` or ``"gs://bucket/prefix"``
+        (any tensorstore kvstore URL); or a tensorstore kvstore spec dict, e.g. with an S3 ``endpoint``.
       max_read: cap on read bandwidth, e.g. ``"400MB/s"``.
       max_write: cap on write bandwidth.
       read_bandwidth: declared read bandwidth, e.g. ``"5GB/s"``.
@@ -153,17 +199,15 @@ class Path:
 
     @property
     def identity(self) -> str:
-        """What makes two paths the same storage: the real directory, or the spec."""
+        """What makes two paths the same storage: the real directory, or the spec (``run1`` and ``run1/`` alike)."""
         if isinstance(self.location, dict):
-            return json.dumps(self.location, sort_keys=True)
+            return json.dumps({**self.location, "path": kvstore_url({**self.location})}, sort_keys=True)
         return os.path.realpath(self.location)
 
     @property
     def name(self) -> str:
         """How messages and stats name this path."""
-        if isinstance(self.location, dict):
-            return f"{self.location['driver']}://{self.location.get('path', '')}"
-        return self.location
+        return kvstore_url(self.location) if isinstance(self.location, dict) else self.location
 
 
 def as_path(path: str | os.PathLike | dict | Path) -> Path:
@@ -192,7 +236,8 @@ class OffloadConfig:
 
     Attributes:
       paths: one or more directories (node-local NVMe, a parallel file system) for the state records;
-        a path may also be a tensorstore kvstore spec dict, e.g. ``{"driver": "gcs", "bucket": ..., "path": ...}``,
+        a path may also be an object store, as a URL (``"s3://bucket/prefix"``, ``"gs://bucket/prefix"``) or a
+        tensorstore kvstore spec dict (e.g. ``{"driver": "s3", "bucket": ..., "endpoint": ..., "path": ...}``),
         or a :class:`Path` with bandwidth caps or declared bandwidths. Stored as a tuple of :class:`Path`.
       host_cache: host RAM for records kept between updates, e.g. ``"8GiB"``; 0 disables the cache.
       subgroup_size: bytes of state (plus master params) streamed at once, e.g. ``"256MiB"``.
@@ -204,6 +249,10 @@ class OffloadConfig:
       master_dtype: if set (e.g. ``jnp.float32``), an fp32 master copy of low-precision params is kept
         in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly ``master.astype(params.dtype)``.
       io_timeout: seconds a single record read or write may take before the update fails.
+      store_timeout: on an object store (a kvstore path), the seconds of retries, with exponential backoff,
+        after a request fails for a transient reason (a 5xx reply, a refused or reset connection) before the
+        read or write fails with a ``PathError`` naming the store. Bounds the wait for an unreachable store;
+        tensorstore's own default would retry for about 15 minutes.
       peer_timeout: with several ``jax.distributed`` processes, seconds an update (or ``init``)
         waits for every peer to finish the same step; past it, the update raises: a peer died or hangs.
         Inside jit, also how long each device's callback waits for the other devices' and for the update.
@@ -226,6 +275,10 @@ class OffloadConfig:
         ``OffloadState`` and return zero updates (their idle time reads the state ahead); call k
         streams the state once, with the mean. 1 (the default) updates on every call. Eager only.
       accumulator_dtype: the floating dtype of that running mean of the grads, ``float32`` by default.
+      transfer: how subgroups move between host and device: ``"pinned"`` through the device's
+        ``pinned_host`` memory with zero-copy host views, ``"plain"`` by ``device_put`` and
+        ``np.asarray``, or ``"auto"`` (pinned on GPUs that have it, plain elsewhere; the stats' ``transfer``
+        says which ran). Both move the same bits.
     """
 
     paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path
@@ -235,6 +288,7 @@ class OffloadConfig:
     write_depth: int = 4
     master_dtype: Any = None
     io_timeout: float = 600.0
+    store_timeout: float = 30.0
     peer_timeout: float = 600.0
     order: str = "alternate"
     flush: str = "idle"
@@ -247,6 +301,7 @@ class OffloadConfig:
     extra_args: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
     accumulate_steps: int = 1
     accumulator_dtype: Any = np.float32
+    transfer: str = "auto"
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -298,12 +353,14 @@ class OffloadConfig:
             raise OffloadError(
                 f"placement must be 'bandwidth' or 'round_robin', got {self.placement!r}: pass one of those"
             )
+        if self.transfer not in TRANSFERS:
+            raise OffloadError(f"transfer must be one of {TRANSFERS}, got {self.transfer!r}: pass one of those")
         if self.flush not in ("idle", "lazy"):
             raise OffloadError(f"flush must be 'idle' or 'lazy', got {self.flush!r}: pass one of those")
         for name in ("prefetch_depth", "write_depth", "max_inflight"):
             if getattr(self, name) < 1:
                 raise OffloadError(f"{name} must be at least 1, got {getattr(self, name)}: pass 1 or more")
-        for name in ("io_timeout", "peer_timeout"):
+        for name in ("io_timeout", "store_timeout", "peer_timeout"):
             if getattr(self, name) <= 0:
                 raise OffloadError(f"{name} must be positive, got {getattr(self, name)}: pass a number of seconds")
         if self.master_dtype is not None and not jnp.issubdtype(self.master_dtype, jnp.floating):

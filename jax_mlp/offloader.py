@@ -211,7 +211,11 @@ class Offloader(ClosesOnExit):
         planned = self._planned(params)
         config, plan = self.config, planned.plan
         paths = open_paths(
-            config.paths, jax.process_index(), max_inflight=config.max_inflight, node_lock=config.node_lock
+            config.paths,
+            jax.process_index(),
+            max_inflight=config.max_inflight,
+            node_lock=config.node_lock,
+            store_timeout=config.store_timeout,
         )
         stream = None
         try:

@@ -17,7 +17,7 @@ orbax and ``mlp_offload``'s records handle it like any other leaf.
   same for a row chunk as for those rows of the whole leaf, so bits never depend on the tiering.
 - ``"int8"``: blocks of ``BLOCK_SIZE`` along the last axis, each with a float32 scale kept at the
   end of its row; the codes are uint8 indices into a dynamic (exponent + fraction) map, the nearest entry
-  found in closed form (``_nearest``: a few compares, a multiply, one lookup). A block that holds a negative value uses
+  found by one lookup and one compare (``_nearest``: a table indexed by the value's top 16 bits). A block that holds a negative value uses
   the signed map on ``x / absmax`` (its scale is stored negated); a non-negative block (adam's ``nu``)
   uses the unsigned map on ``sqrt(x) / max sqrt(x)``. Its seven decades of ``sqrt`` span fourteen
   of ``nu``, so small ``nu`` never underflows to zero, as a linear absmax map's does (measured in
@@ -134,76 +134,49 @@ def _midpoints(values: np.ndarray) -> np.ndarray:
     return (values[1:] + values[:-1]) / 2
 
 
-class _Levels(NamedTuple):
-    """A map's closed form, per level (0, decade 0 to 6, 1): its lower bound and its magnitude index there.
-
-    ``bounds[k]`` is the float32 midpoint below the first entry of level ``k + 1``, so a value's level is the
-    count of bounds under it, exactly as the search would find. In a decade of ``steps`` entries placed at
-    the midpoints of an even split, the index is ``floor(a * scale - offset)``, at most ``last``; a constant
-    level has ``scale = 0`` and ``offset = -index``. ``scale`` is shrunk by ``2**-10``, so the estimate is
-    the nearest index or the one below it, never above (see ``_nearest``).
-    """
-
-    bounds: np.ndarray
-    scale: np.ndarray
-    offset: np.ndarray
-    last: np.ndarray
-
-    def table(self) -> jax.Array:
-        """The levels as one ``(4, 9)`` array: bounds (padded with +inf), scale, offset, last."""
-        return jnp.asarray(np.stack([np.append(self.bounds, np.inf), self.scale, self.offset, self.last]))
+def _ordered(bits: Any) -> Any:
+    """float32 bits (numpy or jax uint32) as keys that order as the floats do: negatives reversed, below positives."""
+    return ((bits >> 31) * np.uint32(0xFFFFFFFF)) ^ (bits | np.uint32(0x80000000))
 
 
-def _levels(values: np.ndarray, decades: int = 7) -> _Levels:
-    """The closed form of :func:`dynamic_map`'s ``values`` (either kind), indexing magnitudes from 0 (for 0) up."""
-    zero = int(np.searchsorted(values, 0.0))  # the code of 0
-    top = len(values) - 1 - zero  # the magnitude index of 1
-    per_decade = [2 ** (i + (0 if values[0] < 0 else 1)) for i in range(decades)]
-    starts = np.cumsum([1, *per_decade])  # the magnitude index of each decade's first entry, then of 1
-    bounds = _midpoints(values)[zero + starts - 1]
-    scale = [0.0, *(10.0 ** (decades - 1 - i) / 0.9 * steps * (1 - 2**-10) for i, steps in enumerate(per_decade)), 0.0]
-    offset = [0.0, *(steps / 9 - start for steps, start in zip(per_decade, starts[:-1], strict=True)), -top]
-    last = [0, *(start + steps - 1 for steps, start in zip(per_decade, starts[:-1], strict=True)), top]
-    return _Levels(*(np.asarray(v, np.float32) for v in (bounds, scale, offset, last)))
+# A value's code is the count of its map's midpoints below it. The top 16 bits of its ordered key name a
+# bucket of 2**16 floats, no wider than 2**-7 of its values; a map's finest step (0.9 / 128, at the top of the
+# unsigned map) is wider than any bucket under 1 (2**-8), so a bucket holds at most one midpoint. Per bucket
+# the table holds the count of midpoints below it and the low 16 key bits of the next midpoint if it lies in
+# the bucket (else 0xFFFF, never exceeded): one lookup and one compare give the exact count, ties included.
+_BUCKETS = 1 << 16
 
 
-_SIGNED_LEVELS = _levels(_SIGNED_MAP)
-_UNSIGNED_LEVELS = _levels(_UNSIGNED_MAP)
-# Both maps' 255 midpoints, signed then unsigned, each between -inf and +inf: a code's neighbouring midpoints.
-_MIDPOINTS = np.concatenate(
-    [[-np.inf], _midpoints(_SIGNED_MAP), [np.inf, -np.inf], _midpoints(_UNSIGNED_MAP), [np.inf]]
-).astype(np.float32)
-_UNSIGNED_BASE = 257
+def _bucket_table(values: np.ndarray) -> np.ndarray:
+    """Per bucket of keys, ``below | threshold << 8`` for the map ``values`` (see above)."""
+    keys = _ordered(_midpoints(values).astype(np.float32).view(np.uint32))
+    starts = np.arange(_BUCKETS, dtype=np.uint32) << 16
+    below = np.searchsorted(keys, starts, side="left")
+    if np.any(np.searchsorted(keys, starts | np.uint32(0xFFFF), side="right") - below > 1):
+        raise OffloadError("a bucket of 2**16 floats holds two midpoints of the int8 map: the lookup needs one")
+    following = keys[np.minimum(below, len(keys) - 1)]
+    inside = (below < len(keys)) & ((following >> 16) == np.arange(_BUCKETS))
+    threshold = np.where(inside, following & np.uint32(0xFFFF), np.uint32(0xFFFF))
+    return (below.astype(np.uint32) | threshold << 8).astype(np.uint32)
+
+
+# The signed map's buckets, then the unsigned map's: one gather finds either.
+_BUCKET_TABLE = np.concatenate([_bucket_table(_SIGNED_MAP), _bucket_table(_UNSIGNED_MAP)])
 
 
 def _nearest(x: jax.Array, unsigned: jax.Array) -> jax.Array:
-    """The code of the map entry nearest to each element of ``x`` (in [-1, 1]): the same code as a search.
+    """The code of the map entry nearest to each element of ``x`` (in [-1, 1]), exactly as a search finds it.
 
-    ``unsigned`` (per block) picks the map. The level of ``|x|`` (zero, a decade, one) is the count of the
-    level bounds under it, exact; within a decade, ``floor(|x| * scale - offset)`` is the nearest index or,
-    as the scale is shrunk a little, the one toward zero. A single gather of the midpoint on that side and
-    one compare settle it, with the search's ties (a value on a midpoint takes the lower code). The old
-    binary search took eight dependent gathers per element; this is a few selects, a multiply and one gather.
+    ``unsigned`` (broadcast against ``x``) picks the map. One gather of the table entry for ``x``'s bucket
+    and one compare with the midpoint in it, with the search's ties (a value on a midpoint takes the lower
+    code); the binary search this replaced took eight dependent gathers per element. A NaN (from an inf in
+    its block) takes code 255, or 0 when its sign bit is set.
     """
-    magnitude = jnp.abs(x)
-    negative = x < 0
-    # Per block, its map's levels (bounds, scale, offset, last): selected once per block, not per element.
-    levels = jnp.where(unsigned[..., None, None], _UNSIGNED_LEVELS.table(), _SIGNED_LEVELS.table())
-    bounds, scales, offsets, lasts = (levels[..., i, :] for i in range(4))
-    scale, offset, last = scales[..., 0], offsets[..., 0], lasts[..., 0]
-    for k in range(bounds.shape[-1] - 1):
-        # A negative value on a bound is above it in magnitude: the search gives it the lower code.
-        above = (magnitude > bounds[..., k]) | (negative & (magnitude == bounds[..., k]))
-        scale = jnp.where(above, scales[..., k + 1], scale)
-        offset = jnp.where(above, offsets[..., k + 1], offset)
-        last = jnp.where(above, lasts[..., k + 1], last)
-    index = jnp.minimum(jnp.floor(magnitude * scale - offset), last).astype(jnp.int32)
-    code = jnp.where(unsigned, index, jnp.clip(jnp.where(negative, 127 - index, 127 + index), 0, 255))
-    # Positive values may need the code above (the midpoint above the code is under x), negative ones the
-    # code below (the midpoint below it is at or over x).
-    midpoint = jnp.asarray(_MIDPOINTS)[jnp.where(unsigned, _UNSIGNED_BASE, 0) + code + jnp.where(negative, 0, 1)]
-    code = code + jnp.where(negative, -(midpoint >= x).astype(jnp.int32), (midpoint < x).astype(jnp.int32))
-    return code.astype(jnp.uint8)
+    key = _ordered(jax.lax.bitcast_convert_type(x, jnp.uint32))
+    index = (key >> 16) + jnp.where(unsigned, np.uint32(_BUCKETS), np.uint32(0))
+    entry = jnp.asarray(_BUCKET_TABLE).at[index].get(mode="promise_in_bounds")
+    above = (key & np.uint32(0xFFFF)) > (entry >> 8)
+    return ((entry & np.uint32(0xFF)) + above.astype(jnp.uint32)).astype(jnp.uint8)
 
 
 def quantize_int8(x: jax.Array) -> jax.Array:
@@ -221,8 +194,7 @@ def quantize_int8(x: jax.Array) -> jax.Array:
     largest = jnp.abs(jnp.maximum(jnp.max(blocks, axis=-1, keepdims=True), -smallest))
     absmax = jnp.where(non_negative, jnp.sqrt(largest), largest)
     magnitude = jnp.where(non_negative, jnp.sqrt(jnp.abs(blocks)), blocks)
-    normalized = magnitude / jnp.where(absmax > 0, absmax, 1)
-    codes = _nearest(normalized, non_negative)
+    codes = _nearest(magnitude / jnp.where(absmax > 0, absmax, 1), non_negative)
     scales = jnp.where(non_negative, absmax, -absmax)[..., 0]
     scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(*x.shape[:-1], -1)
     return jnp.concatenate([codes.reshape(*x.shape[:-1], -1)[..., :n], scale_bytes], axis=-1)
@@ -331,9 +303,18 @@ def quantized_state(
         state = jax.lax.optimization_barrier(state)
         return QuantizedState(count, compress(state, codec, count, stochastic=stochastic))
 
+    def encode(new_inner: Any, count: jax.Array) -> Any:
+        return compress(new_inner, codec, count, stochastic=stochastic)
+
     def update(updates: Any, state: QuantizedState, params: Any = None, **extra_args: Any) -> tuple:
         count = optax.safe_increment(state.count)
         updates, new_inner = inner.update(updates, decompress(state.inner), params, **extra_args)
-        return updates, QuantizedState(count, compress(new_inner, codec, count, stochastic=stochastic))
+        if codec == "int8" and jax.default_backend() == "cpu":
+            # Encoded in a branch of its own (both branches alike): XLA then encodes the stored new state in
+            # vectorised loops, where fused with the update it recomputed the update inside the scalar loop
+            # of the encoding's lookup, at 2-3x the update's cost. On accelerators the lookup is cheap and a
+            # conditional costs a synchronisation, so there the encoding stays fused.
+            return updates, QuantizedState(count, jax.lax.cond(count > 0, encode, encode, new_inner, count))
+        return updates, QuantizedState(count, encode(new_inner, count))
 
     return optax.GradientTransformationExtraArgs(init, update)

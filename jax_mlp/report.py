@@ -145,7 +145,14 @@ def load_log(path: str | os.PathLike) -> list[Update]:
 
 
 def _short(path: str, width: int = 40) -> str:
-    return path if len(path) <= width else "…" + path[-(width - 1) :]
+    """``path`` in at most ``width`` characters: a store's URL keeps its scheme and bucket, a directory its end."""
+    if len(path) <= width:
+        return path
+    scheme, found, rest = path.partition("://")
+    if not found:
+        return "…" + path[-(width - 1) :]
+    head = f"{scheme}://{rest.split('/', 1)[0]}/"[: width // 2]
+    return head + "…" + path[-(width - len(head) - 1) :]
 
 
 def _lanes(paths: Sequence[str]) -> list[tuple[str, str | None, str]]:

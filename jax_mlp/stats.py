@@ -102,6 +102,8 @@ class UpdateStats(NamedTuple):
       check_s: of an init, the seconds the optimizer check took (see :mod:`jax_mlp.dependence`).
       whole_leaf_subgroups: of an init, each leaf kept whole although its state exceeds
         ``subgroup_size`` (its optimizer mixes its rows), keyed by leaf path, with its subgroup's index.
+      transfer: the path subgroups took between host and device, ``"pinned"`` or ``"plain"``
+        (see :mod:`jax_mlp.transfer`).
     """
 
     step: int
@@ -122,6 +124,7 @@ class UpdateStats(NamedTuple):
     fallback: bool = False
     check_s: float = 0.0
     whole_leaf_subgroups: Mapping[str, int] = _NO_PLACEMENT
+    transfer: str = "plain"
 
     @property
     def paths(self) -> list[str]:

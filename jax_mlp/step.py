@@ -40,37 +40,32 @@ from jax_mlp.storage.capacity import check_capacity
 from jax_mlp.storage.paths import release_paths
 from jax_mlp.storage.record import HEADER_SIZE
 from jax_mlp.storage.tier_stack import Locations, Pin, TierStack
+from jax_mlp.transfer import choose
 
 logger = logging.getLogger(__name__)
 
 
-def _unchanged(fields: Any, device: jax.Device | None = None) -> Any:
-    del device
-    return fields
-
-
 class Route(NamedTuple):
-    """How a route moves a subgroup's fields between host and device, and on which thread.
+    """On which threads a route moves a subgroup's fields between host and device (by the stream's transfer).
 
     Attributes:
-      load: on the reader thread, the fetched host fields to what compute takes.
-      enter: on the compute thread, those to device arrays.
-      leave: on the compute thread, the new fields to what the writer thread stores.
+      put_on_reader: the reader thread puts the fetched fields on the device; else the compute thread
+        does, just before their program runs.
+      get_on_compute: the compute thread brings the new fields back to the host; else the writer does.
     """
 
-    load: Callable[[Any, jax.Device | None], Any]
-    enter: Callable[[Any, jax.Device | None], Any]
-    leave: Callable[[Any], Any]
+    put_on_reader: bool
+    get_on_compute: bool
 
 
-EAGER = Route(load=jax.device_put, enter=_unchanged, leave=_unchanged)
+EAGER = Route(put_on_reader=True, get_on_compute=False)
 """The eager route: readers put the fields on the device, writers bring the results back."""
 
-LATE_PUT = Route(load=_unchanged, enter=jax.device_put, leave=_unchanged)
+LATE_PUT = Route(put_on_reader=False, get_on_compute=False)
 """The fused apply's route: fetched fields stay on the host until their program is about to run,
 so the device holds one subgroup's fields besides the writes in flight, never the reads ahead."""
 
-IN_CALLBACK = Route(load=_unchanged, enter=jax.device_put, leave=jax.device_get)
+IN_CALLBACK = Route(put_on_reader=False, get_on_compute=True)
 """Streaming inside a device's host callback: a CPU device then runs only work that the callback's
 own thread puts on it and waits for, so transfers and results stay on that thread."""
 
@@ -139,6 +134,7 @@ class StateStream:
         self._on_stats = on_stats
         self._init_notes = init_notes
         self.idle = IdleIO(config, scheduler, tiers, engine, self.counters)
+        self.transfer = choose(config.transfer, jax.local_devices())
         self._total_compiles = 0
 
     # ----------------------------------------------------------------------------- filling the tiers
@@ -247,14 +243,16 @@ class StateStream:
                 fields = self.engine.result(early, f"reading subgroup {index} ahead")
             else:
                 fields = fetch_counted(self.tiers, self.counters, index, step)
-            return route.load(fields, blocks.devices[index])
+            return self.transfer.to_device(fields, blocks.devices[index]) if route.put_on_reader else fields
 
         def compute(index: int, fetched: Any) -> tuple:
             started = time.perf_counter()
             subgroup = self.plan.subgroups[index]
-            out = results.run(self.programs, subgroup, blocks, route.enter(fetched, blocks.devices[index]))
+            on_device = fetched if route.put_on_reader else self.transfer.to_device(fetched, blocks.devices[index])
+            out = results.run(self.programs, subgroup, blocks, on_device)
             self.counters.computed(index, started)
-            return route.leave((out.state_leaves, out.master_leaves))
+            new = (out.state_leaves, out.master_leaves)
+            return tuple(self.transfer.to_host(leaves) for leaves in new) if route.get_on_compute else new
 
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
@@ -279,7 +277,7 @@ class StateStream:
         """The writer threads' store for records of ``step``, each to the path ``placement`` gives it."""
 
         def store(index: int, computed: tuple) -> None:
-            fields = tuple([np.asarray(x) for x in leaves] for leaves in computed)  # no copy on CPU
+            fields = tuple(self.transfer.to_host(leaves) for leaves in computed)
             for written in self.tiers.store(index, fields, self._record_bytes[index], step, placement):
                 self.counters.count(written)
 
@@ -318,7 +316,7 @@ class StateStream:
             self.scheduler.fallback,
             ended,
         )
-        self.last_stats = stats._replace(**notes)
+        self.last_stats = stats._replace(transfer=self.transfer.name, **notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update
         self.idle.after_update(step)
         self._report(self.last_stats)

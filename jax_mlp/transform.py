@@ -95,7 +95,7 @@ def mlp_offload(
         and busy time per path, cache hits, placement, and the timed reads, computes and writes);
         emptied first unless ``resume``. ``jax-mlp report`` plots it.
 
-    The options from ``paths`` to ``accumulator_dtype`` are the fields of :class:`OffloadConfig`,
+    The options from ``paths`` to ``transfer`` are the fields of :class:`OffloadConfig`,
     validated there; ``paths`` is required.
 
     Trees come back as they went in: ``update`` returns the updates in the grads' tree and ``apply``

@@ -65,6 +65,13 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["dry_run"] and result["transfer"]["pageable_h2d"] > 0
     assert result["update"]["offloaded_over_plain"] > 0 and result["streaming"]["bytes_per_s"] > 0
+    by_transfer = result["update"]["by_transfer"]  # each transfer path ran, and its stats say which
+    assert {name: row["ran"] for name, row in by_transfer.items()} == {
+        "auto": "plain",
+        "pinned": "pinned",
+        "plain": "plain",
+    }
+    assert result["transfer_paths"]["pinned_s"] > 0 and result["transfer"]["pinned_d2h_view"] > 0
 
 
 def test_efficiency_benchmark_writes_json_and_png(tmp_path):

@@ -67,8 +67,8 @@ def _map_inputs(values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_int8_closed_form_codes_are_the_nearest_entry_as_a_search_finds_it(signed):
-    """The closed form keeps the map and its codes: each is the count of midpoints under x, ties included."""
+def test_int8_lookup_codes_are_the_nearest_entry_as_a_search_finds_it(signed):
+    """The bucket lookup keeps the map and its codes: each is the count of midpoints under x, ties included."""
     values = quantized.dynamic_map(signed=signed)
     x = _map_inputs(values, np.random.default_rng(0))
     expected = np.searchsorted(quantized._midpoints(values), x, side="left")  # the old search's definition

@@ -7,7 +7,10 @@ Each figure is measured side by side in one run and reported with the ratio that
   disk I/O at all) against plain optax
   adamw with its state in device memory, on a state that fits (bytes of state updated per second);
 * ``streaming``: the rate at which ``mlp_offload`` moves subgroups host -> device -> host, against
-  what the pinned copy bandwidth allows for the same bytes.
+  what the pinned copy bandwidth allows for the same bytes;
+* ``transfer_paths``: the offloaded update with ``transfer="pinned"`` (through the device's
+  ``pinned_host`` memory, zero-copy views) against ``transfer="plain"`` (``device_put``/``np.asarray``),
+  interleaved, with the path each run's stats report.
 
 ``--dry-run`` uses tiny sizes on whatever backend is there (the CPU here), to check the script.
 """
@@ -61,6 +64,10 @@ def transfer_bandwidths(nbytes: int, device: jax.Device, repeats: int) -> dict:
         result["pinned_d2h"] = nbytes / timed(
             lambda: jax.device_put(on_device, pinned_sharding).block_until_ready(), repeats
         )
+        # What the pinned transfer path does for each field: the pinned copy, then a zero-copy numpy view.
+        result["pinned_d2h_view"] = nbytes / timed(
+            lambda: np.asarray(jax.device_put(on_device, pinned_sharding)), repeats
+        )
     return result
 
 
@@ -69,8 +76,14 @@ def make_params(num_params: int, device: jax.Device) -> dict:
     return {f"w{i}": jax.device_put(jnp.full((rows // 4, 4096), 0.01, jnp.float32), device) for i in range(4)}
 
 
-def update_throughput(num_params: int, device: jax.Device, directory: str, repeats: int) -> dict:
-    """adamw offloaded (all cached in host RAM) against adamw in device memory: state bytes per second."""
+def update_throughput(
+    num_params: int, device: jax.Device, directory: str, repeats: int, transfers: tuple[str, ...] = ("auto",)
+) -> dict:
+    """adamw offloaded (all cached in host RAM) against adamw in device memory: state bytes per second.
+
+    Each of ``transfers`` gets its own offloader, stepped interleaved with the others; the first is the
+    one the top-level figures describe, and ``by_transfer`` holds each one's median and reported path.
+    """
     params = make_params(num_params, device)
     grads = jax.tree.map(lambda p: p * 0.5, params)
     inner = optax.adamw(1e-3, weight_decay=0.1)
@@ -83,24 +96,41 @@ def update_throughput(num_params: int, device: jax.Device, directory: str, repea
         updates, plain_state[0] = plain_update(grads, plain_state[0], params)
         jax.block_until_ready(updates)
 
-    offload = jax_mlp.mlp_offload(
-        inner,
-        paths=[directory],
-        host_cache=2 * state_bytes + (64 << 20),
-        subgroup_size="64MiB",
-        prefetch_depth=4,
-        write_depth=4,
-    )
-    offload_state = [offload.init(params)]
+    offloads = {
+        transfer: jax_mlp.mlp_offload(
+            inner,
+            paths=[f"{directory}_{transfer}"],
+            host_cache=2 * state_bytes + (64 << 20),
+            subgroup_size="64MiB",
+            prefetch_depth=4,
+            write_depth=4,
+            transfer=transfer,
+        )
+        for transfer in transfers
+    }
+    states = {transfer: offload.init(params) for transfer, offload in offloads.items()}
 
-    def offloaded():
-        updates, offload_state[0] = offload.update(grads, offload_state[0], params)
+    def offloaded(transfer: str) -> None:
+        updates, states[transfer] = offloads[transfer].update(grads, states[transfer], params)
         jax.block_until_ready(updates)
 
     plain_s = timed(plain, repeats)
-    offloaded_s = timed(offloaded, repeats)
-    stats = offload.stats._asdict()
-    offload.close(delete=True)
+    times: dict[str, list[float]] = {transfer: [] for transfer in transfers}
+    for transfer in transfers:
+        offloaded(transfer)  # warm-up
+    for _ in range(repeats):
+        for transfer in transfers:
+            start = time.perf_counter()
+            offloaded(transfer)
+            times[transfer].append(time.perf_counter() - start)
+    by_transfer = {
+        transfer: {"offloaded_cached_s": statistics.median(times[transfer]), "ran": offloads[transfer].stats.transfer}
+        for transfer in transfers
+    }
+    offloaded_s = by_transfer[transfers[0]]["offloaded_cached_s"]
+    stats = offloads[transfers[0]].stats._asdict()
+    for offload in offloads.values():
+        offload.close(delete=True)
     return {
         "num_params": num_params,
         "state_bytes": state_bytes,
@@ -109,7 +139,8 @@ def update_throughput(num_params: int, device: jax.Device, directory: str, repea
         "plain_state_bytes_per_s": state_bytes / plain_s,
         "offloaded_state_bytes_per_s": state_bytes / offloaded_s,
         "offloaded_over_plain": offloaded_s / plain_s,
-        "last_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+        "last_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        "by_transfer": by_transfer,
     }
 
 
@@ -131,7 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
             "jax": jax.__version__,
             "dry_run": args.dry_run,
             "transfer": transfer_bandwidths(transfer_bytes, device, repeats),
-            "update": update_throughput(num_params, device, os.path.join(directory, "tier"), repeats),
+            "update": update_throughput(
+                num_params, device, os.path.join(directory, "tier"), repeats, ("auto", "pinned", "plain")
+            ),
         }
     update, transfer = result["update"], result["transfer"]
     copy_bandwidth = min(
@@ -142,6 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
         "bytes_per_s": streamed / update["offloaded_cached_s"],
         "copy_bandwidth_bytes_per_s": copy_bandwidth,
         "fraction_of_copy_bandwidth": streamed / update["offloaded_cached_s"] / copy_bandwidth,
+    }
+    paths = update["by_transfer"]
+    result["transfer_paths"] = {
+        "auto_ran": paths["auto"]["ran"],
+        "pinned_s": paths["pinned"]["offloaded_cached_s"],
+        "plain_s": paths["plain"]["offloaded_cached_s"],
+        "plain_over_pinned": paths["plain"]["offloaded_cached_s"] / paths["pinned"]["offloaded_cached_s"],
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu.json"), "w") as f:

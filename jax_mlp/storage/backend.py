@@ -80,7 +80,15 @@ class Backend(Protocol):
         ...
 
     def vanished(self) -> bool:
-        """Whether the run directory vanished under this writer: a failed read is then the path's fault."""
+        """Whether the run directory vanished under this writer (checked before a write, which would recreate it)."""
+        ...
+
+    def path_failed(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a record's read, is the path's fault (gone, unreachable), not the record's."""
+        ...
+
+    def describe(self, error: BaseException) -> str:
+        """What ``error`` says went wrong on the path and what to do about it, in one sentence naming the path."""
         ...
 
     def read_run_file(self) -> bytes | None:

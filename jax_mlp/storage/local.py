@@ -94,6 +94,12 @@ class LocalBackend:
             return True
         return self._has_run_file and not os.path.exists(os.path.join(self.directory, RUN_FILE))
 
+    def path_failed(self, error: BaseException) -> bool:
+        return self.vanished()  # an OS error of a record's read is the record's, unless the directory went
+
+    def describe(self, error: BaseException) -> str:
+        return describe_os_error(self.root, error)
+
     def read_run_file(self) -> bytes | None:
         try:
             with open(os.path.join(self.directory, RUN_FILE), "rb") as f:

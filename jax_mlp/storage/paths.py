@@ -19,7 +19,7 @@ import numpy as np
 
 from jax_mlp.config import Path
 from jax_mlp.errors import PathError, RecordError
-from jax_mlp.storage.backend import RUN_FILE, Backend, RecordArray, describe_os_error
+from jax_mlp.storage.backend import RUN_FILE, Backend, RecordArray
 from jax_mlp.storage.kvstore import KvStoreBackend
 from jax_mlp.storage.local import LocalBackend
 from jax_mlp.storage.record import RECORD_REMEDY, read_header, record_name, verify
@@ -78,9 +78,7 @@ class PathStore:
             with self.traffic.transfer("write", record.nbytes):
                 array.write(record).result()
         except Exception as error:  # tensorstore raises ValueError and OSError-like errors
-            raise PathError(
-                f"writing record {self._name(subgroup, slot)}: {describe_os_error(self.root, error)}"
-            ) from error
+            raise PathError(f"writing record {self._name(subgroup, slot)}: {self.backend.describe(error)}") from error
 
     def read(self, subgroup: int, slot: int) -> np.ndarray:
         """Reads a whole record back into a new buffer; raises RecordError if it is missing."""
@@ -90,8 +88,8 @@ class PathStore:
                 return array.read().result()
         except Exception as error:
             name = self._name(subgroup, slot)
-            if self.backend.vanished():
-                raise PathError(f"reading record {name}: {describe_os_error(self.root, error)}") from error
+            if self.backend.path_failed(error):
+                raise PathError(f"reading record {name}: {self.backend.describe(error)}") from error
             raise RecordError(
                 f"record {name} is missing or unreadable ({str(error).splitlines()[0]}); {RECORD_REMEDY}"
             ) from error
@@ -114,7 +112,12 @@ class PathStore:
         for slot in (0, 1):
             with self._lock:
                 self._arrays.pop((subgroup, slot), None)
-            self.backend.delete_record(record_name(subgroup, slot))
+            try:
+                self.backend.delete_record(record_name(subgroup, slot))
+            except Exception as error:
+                raise PathError(
+                    f"deleting record {self._name(subgroup, slot)}: {self.backend.describe(error)}"
+                ) from error
 
     def read_run_file(self) -> dict | None:
         """The run's identity as written by :meth:`write_run_file`, or None where there is none."""
@@ -128,7 +131,7 @@ class PathStore:
             self.backend.write_run_file(encoded)
         except Exception as error:
             name = os.path.join(self.directory, RUN_FILE)
-            raise PathError(f"writing {name}: {describe_os_error(self.root, error)}") from error
+            raise PathError(f"writing {name}: {self.backend.describe(error)}") from error
 
     def remove(self) -> None:
         """Deletes this process's directory on the path, and the path itself if then empty."""
@@ -157,7 +160,14 @@ def _node_lock_file(path: Path, node_lock: str | None) -> str | None:
     return os.path.join(node_lock, f"{digest}.lock")
 
 
-def open_path(path: Path, process_index: int = 0, *, max_inflight: int = 4, node_lock: str | None = None) -> PathStore:
+def open_path(
+    path: Path,
+    process_index: int = 0,
+    *,
+    max_inflight: int = 4,
+    node_lock: str | None = None,
+    store_timeout: float = 30.0,
+) -> PathStore:
     """The store for one configured path, a local directory or a tensorstore kvstore spec.
 
     Args:
@@ -165,6 +175,7 @@ def open_path(path: Path, process_index: int = 0, *, max_inflight: int = 4, node
       process_index: this process's index (its records go to ``proc{index}``).
       max_inflight: transfers in flight at once on the path.
       node_lock: a node-local directory for cross-process path locks, or None for no lock.
+      store_timeout: on a kvstore, seconds of retries before a failing request fails.
 
     Returns:
       The store, with its traffic control in place.
@@ -174,12 +185,17 @@ def open_path(path: Path, process_index: int = 0, *, max_inflight: int = 4, node
     """
     traffic = Traffic(max_inflight, _node_lock_file(path, node_lock), path.max_read, path.max_write)
     if isinstance(path.location, dict):
-        return PathStore(KvStoreBackend(path.location, process_index), traffic)
+        return PathStore(KvStoreBackend(path.location, process_index, store_timeout), traffic)
     return PathStore(LocalBackend(path.location, process_index), traffic)
 
 
 def open_paths(
-    paths: Sequence[Path], process_index: int = 0, *, max_inflight: int = 4, node_lock: str | None = None
+    paths: Sequence[Path],
+    process_index: int = 0,
+    *,
+    max_inflight: int = 4,
+    node_lock: str | None = None,
+    store_timeout: float = 30.0,
 ) -> list[PathStore]:
     """Opens every configured path and holds its run directory for this writer.
 
@@ -188,6 +204,7 @@ def open_paths(
       process_index: this process's index.
       max_inflight: transfers in flight at once on each path.
       node_lock: a node-local directory for cross-process path locks, or None for no lock.
+      store_timeout: on a kvstore, seconds of retries before a failing request fails.
 
     Returns:
       The stores, each held until its :meth:`~PathStore.release`.
@@ -199,7 +216,11 @@ def open_paths(
     opened: list[PathStore] = []
     try:
         for path in paths:
-            opened.append(open_path(path, process_index, max_inflight=max_inflight, node_lock=node_lock))
+            opened.append(
+                open_path(
+                    path, process_index, max_inflight=max_inflight, node_lock=node_lock, store_timeout=store_timeout
+                )
+            )
             opened[-1].hold()
     except BaseException:
         release_paths(opened)

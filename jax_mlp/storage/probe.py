@@ -41,7 +41,8 @@ class ProbeResult(NamedTuple):
 def _scratch(path: Path) -> Path:
     location = path.location
     if isinstance(location, dict):
-        scratch = {**location, "path": f"{location.get('path', '').rstrip('/')}/{PROBE_DIRECTORY}/"}
+        prefix = location.get("path", "").rstrip("/")
+        scratch = {**location, "path": f"{prefix}/{PROBE_DIRECTORY}/" if prefix else f"{PROBE_DIRECTORY}/"}
     else:
         scratch = os.path.join(location, PROBE_DIRECTORY)
     return Path(scratch, max_read=path.max_read, max_write=path.max_write)
