@@ -16,25 +16,46 @@ the host cache) is measured for each codec by runners stepped in the same interl
 Writes ``ablation.json`` and ``ablation.png`` into ``--out``.
 
     python benchmarks/ablation.py --out results/
+
+With ``--devices real`` the paths are real file systems throttled by the kernel instead
+(``devices.py``: loop-backed ext4 under a blkio cgroup, each direction throttled apart, with the
+bursts a throttle lets through after idle time), which the library's own caps cannot show. A fast
+(``--fast``) and a slow (``--slow``) device, then two ``--equal`` ones, each run ``--runs`` times on
+fresh devices: the fast path alone without cache (the baseline), the fast path alone with the
+cache, and the full scheduler, all with the library's default options. Each is set against the
+model's prediction on those rates (full duplex), with the compute floor measured in the same loop;
+a run's figures are the medians of its last 5 updates. ``--contention`` adds a run of the full
+scheduler where another process does O_DIRECT writes and reads on the slow device (in the same
+cgroup, so it shares the throttle) for the middle third of its updates. Needs root; writes
+``ablation_real.json``.
+
+    sudo python benchmarks/ablation.py --devices real --fast 300MB/s --slow 90MB/s --equal 200MB/s \
+        --state 256MiB --subgroup-size 8MiB --idle 1 --iterations 14 --runs 5 --contention --out results/
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
+import devices
 import jax
 import jax.numpy as jnp
 import optax
 
 import jax_mlp
 from jax_mlp import model, quantized
+from jax_mlp.config import OffloadConfig
 from jax_mlp.model import PathSpeed
 from jax_mlp.partition import Plan
 from jax_mlp.stats import UpdateStats
@@ -50,7 +71,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow", default="48MB/s", help="cap of the slow path (the PFS)")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--iterations", type=int, default=7)
-    parser.add_argument("--depth", type=int, default=4, help="prefetch and write depth of every variant")
+    parser.add_argument(
+        "--depth", type=int, default=None, help="prefetch and write depth of every variant (default: the library's)"
+    )
+    parser.add_argument(
+        "--devices",
+        choices=("caps", "real"),
+        default="caps",
+        help="emulate the tiers with the library's caps, or make real kernel-throttled devices (root)",
+    )
+    parser.add_argument("--equal", default="200MB/s", help="rate of both devices of the equal pair (real only)")
+    parser.add_argument(
+        "--pairs", default="fast+slow,equal", help="real only: which pairs of devices to run, comma-separated"
+    )
+    parser.add_argument("--runs", type=int, default=1, help="runs of each pair of real devices, each on fresh ones")
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="real only: also run the full scheduler with another process loading the slow device mid-run",
+    )
     parser.add_argument("--idle", type=float, default=0.4, help="seconds of simulated forward/backward")
     parser.add_argument("--dir", default=None, help="where the emulated tiers live (default: a temp dir)")
     parser.add_argument("--out", default="results", help="output folder for the JSON and PNG")
@@ -77,8 +116,14 @@ def make_params(state_bytes: int) -> dict:
     return {f"w{i}": jnp.full((rows // 4, 1024), 0.01 * (i + 1), jnp.float32) for i in range(4)}
 
 
-def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int) -> dict:
-    """mlp_offload options that turn the variant's mechanisms on or off."""
+def prefetch_depth(depth: int | None = None) -> int:
+    """The prefetch depth the variants run with: ``--depth``, else the library's default."""
+    return depth if depth is not None else OffloadConfig("/unused").prefetch_depth
+
+
+def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int | None) -> dict:
+    """mlp_offload options that turn the variant's mechanisms on or off; the depths default to the library's."""
+    depths = {} if depth is None else dict(prefetch_depth=depth, write_depth=depth)
     return dict(
         paths=[fast, slow] if variant.multipath else [fast],
         host_cache=cache if variant.alternate else 0,
@@ -87,8 +132,7 @@ def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, 
         rebalance=variant.balanced,
         idle_prefetch=variant.balanced,
         node_lock=variant.node_lock,
-        prefetch_depth=depth,
-        write_depth=depth,
+        **depths,
     )
 
 
@@ -115,7 +159,8 @@ class Runner:
         jax.block_until_ready(updates)
         seconds = time.perf_counter() - start
         self.times.append(seconds)
-        self.stats.append(self.tx.stats.as_dict())
+        bandwidth = {path: dict(speeds) for path, speeds in self.tx.stats.bandwidth.items()}
+        self.stats.append({**self.tx.stats.as_dict(), "bandwidth": bandwidth})
         if all(self.caps):
             self.io_bounds.append(io_bound(in_update_bytes(self.tx.stats, self.record_bytes), self.caps))
         return seconds
@@ -246,7 +291,7 @@ def predict_row(
         cache_bytes=tiers.cache,
         compute_seconds=compute_seconds,
         idle_seconds=args.idle,
-        prefetch_depth=args.depth,
+        prefetch_depth=prefetch_depth(args.depth),
     )
 
 
@@ -352,7 +397,7 @@ def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_sec
         cache_bytes=tiers.cache,
         compute_seconds=compute_seconds,
         idle_seconds=args.idle,
-        prefetch_records=args.depth,
+        prefetch_records=prefetch_depth(args.depth),
     ).seconds
     moves = _placement_of(runner.tx).moves
     runner.tx.close(delete=True)
@@ -400,8 +445,214 @@ def plot(result: dict, path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
+REAL_VARIANTS = {
+    "fast path alone, no cache": dict(paths=("fast",), host_cache=0),
+    "fast path alone": dict(paths=("fast",)),
+    "full": dict(paths=("fast", "slow")),
+}
+"""The variants run on real devices, all with the library's default options otherwise (``--cache-fraction``
+of the state in the host cache unless the variant says)."""
+
+CONTENDER = """
+import mmap, os, sys
+buffer, path = mmap.mmap(-1, 4 << 20), os.path.join(sys.argv[1], "contender")
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+while True:
+    for offset in range(0, 64 << 20, 4 << 20):
+        os.pwrite(fd, buffer, offset)
+    for offset in range(0, 64 << 20, 4 << 20):
+        os.preadv(fd, [buffer], offset)
+"""
+"""Another job on the slow device: O_DIRECT writes and reads of a 64 MiB file, 4 MiB at a time, forever."""
+
+
+def real_pairs(args: argparse.Namespace) -> dict[str, tuple[devices.Throttle, devices.Throttle]]:
+    """The device pairs of ``--devices real``: ``--fast`` and ``--slow``, then two ``--equal`` ones."""
+    fast, slow, equal = (jax_mlp.parse_rate(rate) for rate in (args.fast, args.slow, args.equal))
+    return {
+        "fast+slow": (devices.Throttle(fast, fast), devices.Throttle(slow, slow)),
+        "equal": (devices.Throttle(equal, equal), devices.Throttle(equal, equal)),
+    }
+
+
+def real_ideal(variant: dict, pair: tuple[devices.Throttle, ...], plan: Plan, tiers: Tiers, floor: float, idle: float):
+    """The model's update on the throttled rates, both directions at once (the kernel throttles them apart)."""
+    named = dict(zip(("fast", "slow"), pair, strict=True))
+    speeds = [PathSpeed(name, named[name].read_bps, named[name].write_bps, serial=0.0) for name in variant["paths"]]
+    return model.predict(
+        speeds,
+        num_records=len(plan.subgroups),
+        record_bytes=mean_record_bytes(plan),
+        cache_bytes=variant.get("host_cache", tiers.cache),
+        compute_seconds=floor,
+        idle_seconds=idle,
+        prefetch_records=prefetch_depth(),  # the default, read in the idle time before the update
+    ).seconds
+
+
+@contextlib.contextmanager
+def real_runners(
+    args: argparse.Namespace, params: dict, tiers: Tiers, pair: tuple, variants: dict
+) -> Iterator[tuple[devices.Devices, Runner, dict[str, Runner]]]:
+    """Makes the two devices, joins their cgroup, and yields them, a compute floor and a runner per variant."""
+    with devices.throttled_devices(pair, size=16 * tiers.state_bytes) as made, contextlib.ExitStack() as runs:
+        devices.join(made)
+        mounts = dict(zip(("fast", "slow"), (device.mount for device in made.devices), strict=True))
+        floor = Runner(  # all state cached and never written back: no I/O beside the variants'
+            "floor",
+            params,
+            args.subgroup_size,
+            paths=[f"{mounts['fast']}/floor"],
+            host_cache=4 * tiers.state_bytes,
+            flush="lazy",
+        )
+        runs.callback(floor.tx.close, delete=True)
+        runners = {}
+        for index, (name, variant) in enumerate(variants.items()):
+            options = {"host_cache": tiers.cache, **{key: value for key, value in variant.items() if key != "paths"}}
+            paths = [f"{mounts[path]}/{index}" for path in variant["paths"]]
+            runners[name] = Runner(name, params, args.subgroup_size, paths=paths, **options)
+            runs.callback(runners[name].tx.close, delete=True)
+        yield made, floor, runners
+
+
+def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tuple[devices.Throttle, ...]) -> dict:
+    """One run on a fresh pair of devices: every real variant and a compute floor stepped interleaved."""
+    with real_runners(args, params, tiers, pair, REAL_VARIANTS) as (_, floor, runners):
+        step_interleaved([floor, *runners.values()], args.iterations, args.idle)
+    compute = statistics.median(floor.times[1:])
+    plan = floor.tx.offloader.plan
+    rows = {
+        name: real_row(runner, REAL_VARIANTS[name], pair, plan, tiers, compute, args.idle)
+        for name, runner in runners.items()
+    }
+    baseline, cached, full = (rows[name] for name in REAL_VARIANTS)
+    ideal_speedup = baseline["ideal_s"] / full["ideal_s"]
+    last = full["update_s"][-5:]
+    run = {
+        "compute_floor_s": compute,
+        "rows": rows,
+        "speedup": baseline["last_5_s"] / full["last_5_s"],
+        "speedup_from_update_4": baseline["median_update_s"] / full["median_update_s"],
+        "ideal_speedup": ideal_speedup,
+        "last_5_swing": max(last) / min(last),
+        "full_vs_fast_alone_same_cache": cached["last_5_s"] / full["last_5_s"],
+        "full_vs_fast_alone_same_cache_from_update_4": cached["median_update_s"] / full["median_update_s"],
+    }
+    run["of_ideal_speedup"] = run["speedup"] / ideal_speedup
+    print_run(run)
+    return run
+
+
+def print_run(run: dict) -> None:
+    """One line per run of a pair: each variant's steady update against the model, and the figures of the issue."""
+    medians = "  ".join(
+        f"{variant} {row['last_5_s']:.3f} s (model {row['model_error']:+.0%})" for variant, row in run["rows"].items()
+    )
+    print(
+        f"  {medians}; speedup {run['speedup']:.2f}x of ideal {run['ideal_speedup']:.2f}x "
+        f"({run['of_ideal_speedup']:.0%}; from update 4 {run['speedup_from_update_4']:.2f}x), last 5 swing "
+        f"{run['last_5_swing']:.2f}x, vs fast alone same cache {run['full_vs_fast_alone_same_cache']:.2f}x, "
+        f"moves {run['rows']['full']['moves']}",
+        flush=True,
+    )
+
+
+def real_row(runner: Runner, variant: dict, pair: tuple, plan: Plan, tiers: Tiers, compute: float, idle: float) -> dict:
+    """A real variant's updates (the median of the last 5, and of the 4th on), the model's prediction, and moves.
+
+    The last 5 are the steady state: starting from an equal split, full takes a few updates to converge.
+    """
+    steady = statistics.median(runner.times[-5:])
+    ideal = real_ideal(variant, pair, plan, tiers, compute, idle)
+    return {
+        "last_5_s": steady,
+        "median_update_s": statistics.median(runner.times[3:]),
+        "update_s": runner.times,
+        "ideal_s": ideal,
+        "model_error": ideal / steady - 1,
+        "moves": [stats["moves"] for stats in runner.stats],
+        "fallback": runner.stats[-1]["fallback"],
+        "bandwidth": runner.stats[-1].get("bandwidth"),
+        "bytes_read": _bytes_by_path(runner.stats[-1], "bytes_read"),
+        "bytes_written": _bytes_by_path(runner.stats[-1], "bytes_written"),
+    }
+
+
+def run_contention(args: argparse.Namespace, params: dict, tiers: Tiers) -> dict:
+    """The full scheduler on the fast and slow devices while another process loads the slow one mid-run.
+
+    Updates ``[iterations, 2·iterations)`` run with the contender (in the devices' cgroup, so it
+    shares the slow device's throttle); the ones before and after without.
+    """
+    pair = real_pairs(args)["fast+slow"]
+    variants = {"full": REAL_VARIANTS["full"]}
+    phases = ("before", "during", "after")
+    with real_runners(args, params, tiers, pair, variants) as (made, _, runners):
+        full = runners["full"]
+        shares = []
+        for phase in phases:
+            with contextlib.ExitStack() as stack:
+                if phase == "during":
+                    contender = subprocess.Popen([sys.executable, "-c", CONTENDER, made.devices[1].mount])
+                    devices.join(made, contender.pid)  # before its first transfer: Python takes longer to start
+                    stack.callback(contender.wait)
+                    stack.callback(contender.kill)
+                for _ in range(args.iterations):
+                    full.step()
+                    shares.append(_placement_of(full.tx).shares)
+                    time.sleep(args.idle)
+    n = args.iterations
+    return {
+        "throttles_bytes_per_s": [t.read_bps for t in pair],
+        "update_s": {phase: full.times[i * n : (i + 1) * n] for i, phase in enumerate(phases)},
+        "moves": {phase: [s["moves"] for s in full.stats[i * n : (i + 1) * n]] for i, phase in enumerate(phases)},
+        "slow_share": {phase: [sh[1] for sh in shares[i * n : (i + 1) * n]] for i, phase in enumerate(phases)},
+        "bandwidth": [s.get("bandwidth") for s in full.stats],
+    }
+
+
+def run_real(args: argparse.Namespace) -> dict:
+    """``--devices real``: ``--runs`` runs of every pair of :func:`real_pairs`; prints and writes the result."""
+    tiers = tiers_of(args)
+    params = make_params(tiers.state_bytes)
+    chosen = {name: pair for name, pair in real_pairs(args).items() if name in args.pairs.split(",")}
+    result = {
+        "state_bytes": tiers.state_bytes,
+        "cache_bytes": tiers.cache,
+        "subgroup_size": args.subgroup_size,
+        "idle_s": args.idle,
+        "pairs": {
+            name: {
+                "throttles_bytes_per_s": [t.read_bps for t in pair],
+                "runs": [],
+            }
+            for name, pair in chosen.items()
+        },
+    }
+    for name, pair in chosen.items():
+        print(f"{name} ({pair[0].read_bps / 1e6:.0f} / {pair[1].read_bps / 1e6:.0f} MB/s each way):", flush=True)
+        for _ in range(args.runs):
+            result["pairs"][name]["runs"].append(run_real_pair(args, params, tiers, pair))
+    if args.contention:
+        result["contention"] = run_contention(args, params, tiers)
+    with open(os.path.join(args.out, "ablation_real.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    if args.contention:
+        contention = result["contention"]
+        for phase, times in contention["update_s"].items():
+            print(
+                f"contention {phase}: updates {[round(t, 2) for t in times]} moves {contention['moves'][phase]} "
+                f"slow share {[round(s, 2) for s in contention['slow_share'][phase]]}"
+            )
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.devices == "real":
+        os.makedirs(args.out, exist_ok=True)
+        return run_real(args)
     root = args.dir or tempfile.mkdtemp(prefix="jax_mlp_ablation_")
     os.makedirs(args.out, exist_ok=True)
     try:

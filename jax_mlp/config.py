@@ -241,8 +241,11 @@ class OffloadConfig:
         or a :class:`Path` with bandwidth caps or declared bandwidths. Stored as a tuple of :class:`Path`.
       host_cache: host RAM for records kept between updates, e.g. ``"8GiB"``; 0 disables the cache.
       subgroup_size: bytes of state (plus master params) streamed at once, e.g. ``"256MiB"``.
-      prefetch_depth: subgroups read ahead of the one being updated.
-      write_depth: subgroups whose writes may trail behind the update.
+      prefetch_depth: subgroups read ahead of the one being updated. 4 by default, so that with two
+        paths each has two reads in flight and hides its latency (docs/tuning.md); each costs a record
+        of host RAM and of device memory.
+      write_depth: subgroups whose writes may trail behind the update (4 by default, a record of host
+        RAM each).
       master_dtype: if set (e.g. ``jnp.float32``), an fp32 master copy of low-precision params is kept
         in the tiers, and ``optax.apply_updates(params, updates)`` gives exactly the new master's bf16 word.
       master_storage: how records hold the fp32 master of bf16 params: ``"full"`` (the default) keeps
@@ -286,8 +289,8 @@ class OffloadConfig:
     paths: Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path
     host_cache: int | str = 0
     subgroup_size: int | str = "64MiB"
-    prefetch_depth: int = 2
-    write_depth: int = 2
+    prefetch_depth: int = 4
+    write_depth: int = 4
     master_dtype: Any = None
     master_storage: str = "full"
     io_timeout: float = 600.0

@@ -7,8 +7,10 @@ One update's critical path, for ``N`` records of ``r`` bytes and a cache of ``C`
   update, and the ``C`` left in the cache are written back in the idle time that follows;
 * ascending order: an LRU cache smaller than the state never hits: ``N`` reads, ``N - C`` writes.
 
-A path moves its share as one pipe: ``time_i = read_i / read_bw_i + write_i / write_bw_i``. The
-update takes the slowest path's time (or the compute time, if larger) plus the pipeline's fill.
+A path moves its share in ``time_i = max(r, w) + serial_i * min(r, w)`` with ``r = read_i / read_bw_i``
+and ``w = write_i / write_bw_i``: ``serial = 1`` is one pipe shared by both directions (the default, and
+what the library's caps emulate), ``serial = 0`` a full-duplex device (a kernel throttle per direction,
+a network link to a PFS). The update takes the slowest path's time (or the compute time, if larger) plus the pipeline's fill.
 The scheduler splits subgroups with :func:`best_split`, so the plan and the run agree. Each path
 starts at the bandwidths it declares, or that the probe measures (:func:`starting_speed`), and the
 scheduler corrects them with what it measures while running.
@@ -38,16 +40,31 @@ PROCESS_BYTES = 2 * 1024**3
 
 
 class PathSpeed(NamedTuple):
-    """A path's bandwidths in bytes/s."""
+    """A path's bandwidths in bytes/s, how much its two directions get in each other's way, and its bursts.
+
+    ``serial`` is 1 for one pipe shared by reads and writes, 0 for a full-duplex device, in between
+    for a device that overlaps them in part. ``read_burst`` and ``write_burst`` are the bytes a
+    device lets through at once after idle time (a kernel throttle credits a fraction of a second
+    of its rate), which an update's busy time does not pay for.
+    """
 
     name: str
     read_bandwidth: float
     write_bandwidth: float
+    serial: float = 1.0
+    read_burst: float = 0.0
+    write_burst: float = 0.0
+
+    def seconds(self, read_bytes: float, write_bytes: float) -> float:
+        """Busy time to read ``read_bytes`` and write ``write_bytes`` after idle time, both directions started together."""
+        read = max(0.0, read_bytes - self.read_burst) / self.read_bandwidth
+        write = max(0.0, write_bytes - self.write_burst) / self.write_bandwidth
+        return max(read, write) + self.serial * min(read, write)
 
     @property
     def seconds_per_byte(self) -> float:
-        """Pipe time to read and write back one byte."""
-        return 1 / self.read_bandwidth + 1 / self.write_bandwidth
+        """Busy time to read and write back one byte, bursts aside."""
+        return self._replace(read_burst=0.0, write_burst=0.0).seconds(1, 1)
 
 
 class Prediction(NamedTuple):
@@ -159,7 +176,7 @@ def predict(
     bytes_read = tuple(s * reads * record_bytes for s in shares)
     bytes_written = tuple(s * writes * record_bytes for s in shares)
     path_seconds = tuple(
-        factor * (s * (reads - early) * record_bytes / p.read_bandwidth + w / p.write_bandwidth)
+        factor * p.seconds(s * (reads - early) * record_bytes, w)
         for p, s, w in zip(paths, shares, bytes_written, strict=True)
     )
     idle_seconds_needed = max(

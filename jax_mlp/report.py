@@ -49,8 +49,10 @@ class Update(NamedTuple):
       per_path: for each of ``bytes_read``, ``bytes_written``, ``read_busy_s``, ``write_busy_s`` and
         ``placement``, the value per path.
       events: the timed reads, computes and writes, relative to the start of the call.
-      bandwidth: the scheduler's bandwidth estimate per path (``{"read": bytes/s, "write": bytes/s}``:
+      bandwidth: the scheduler's estimate per path after the call (``{"read": bytes/s, "write": bytes/s}``:
         declared, probed, capped or measured while running), if the log has one.
+      moves: subgroups the scheduler moved after the call (0 in logs from before it was logged).
+      fallback: whether the scheduler had fallen back to the fastest path alone.
     """
 
     step: int
@@ -64,6 +66,8 @@ class Update(NamedTuple):
     per_path: dict[str, dict[str, float]]
     events: list[IOEvent]
     bandwidth: dict[str, dict[str, float]]
+    moves: int = 0
+    fallback: bool = False
 
 
 def _parse_line(line: Any, where: str) -> Update:
@@ -95,6 +99,8 @@ def _parse_line(line: Any, where: str) -> Update:
                 for kind, index, subgroup, start, end in line.get("events", [])
             ],
             bandwidth=dict(line.get("bandwidth") or {}),
+            moves=int(line.get("moves", 0)),
+            fallback=bool(line.get("fallback", False)),
         )
     except (TypeError, ValueError, IndexError) as error:
         raise LogError(f"{where} has a malformed value ({error})") from None
@@ -244,9 +250,9 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
+    """Each path's measured rate per direction (solid: read, dotted: write) and the scheduler's estimate (dashed)."""
     steps = [u.step for u in updates]
     paths = updates[-1].paths
-    bandwidth = next((u.bandwidth for u in reversed(updates) if u.bandwidth), {})
     window = max(1, len(updates) // 25)
     for i, path in enumerate(paths):
         for kind, style in (("read", "-"), ("write", ":")):
@@ -254,33 +260,48 @@ def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
                 _rate(u.per_path[_BYTES[kind]].get(path, 0.0), u.per_path[f"{kind}_busy_s"].get(path, 0.0))
                 for u in updates
             ]
-            known = bandwidth.get(path, {}).get(kind)
+            estimates = [u.bandwidth.get(path, {}).get(kind, float("nan")) / 1e6 for u in updates]
+            known = [e for e in estimates if e == e]
             reference, what = (
-                (known / 1e6, "estimate") if known else (max((r for r in rates if r == r), default=0), "max")
+                (known[-1], "estimate") if known else (max((r for r in rates if r == r), default=0), "max")
             )
             label = f"p{i} {kind} ({what} {reference:,.0f})"
             if window > 1:
                 ax.plot(steps, rates, style, color=f"C{i}", lw=0.6, alpha=0.3)
             ax.plot(steps, _smooth(rates, window), style, color=f"C{i}", lw=1.6, label=label)
-            if reference:
-                ax.axhline(reference, color=f"C{i}", ls="--", lw=0.8, alpha=0.6)
+            if known:
+                ax.plot(steps, estimates, "--", color=f"C{i}", lw=0.8, alpha=0.6, drawstyle="steps-post")
     ax.set_xlabel("step")
     ax.set_ylabel(f"MB/s while busy{f' (mean of {window} steps)' if window > 1 else ''}")
     ax.legend(
         fontsize="small", ncols=2, title="dashed: the scheduler's estimate, else the best seen", title_fontsize="small"
     )
-    ax.set_title(THROUGHPUT)
+    last = updates[-1].bandwidth
+    estimates = ", ".join(
+        f"p{i} {last[path]['read'] / 1e6:,.0f}/{last[path]['write'] / 1e6:,.0f}"
+        for i, path in enumerate(paths)
+        if path in last
+    )
+    ax.set_title(f"{THROUGHPUT} (estimated read/write MB/s: {estimates})" if estimates else THROUGHPUT)
 
 
 def _draw_placement(ax: Any, updates: Sequence[Update]) -> None:
+    """Subgroups stored on each path, the subgroups each rebalancing moved, and when it fell back to one path."""
     steps = [u.step for u in updates]
     paths = updates[-1].paths
     counts = [[u.per_path["placement"].get(path, 0.0) for u in updates] for path in paths]
     ax.stackplot(steps, counts, labels=[f"p{i}" for i in range(len(paths))], step="post", alpha=0.8)
+    moves = [u.moves for u in updates]
+    ax.bar(steps, moves, width=0.8, color="k", label="moved after the step")
+    fallback = next((u.step for u in updates if u.fallback), None)
+    fell_back = "" if fallback is None else f", fell back to the fastest path after step {fallback}"
+    if fallback is not None:
+        ax.axvline(fallback, color="r", ls="--", label="fell back to the fastest path")
     ax.set_xlabel("step")
     ax.set_ylabel("subgroups")
     ax.legend(fontsize="small", loc="lower right")
-    ax.set_title(PLACEMENT)
+    moving = sum(1 for m in moves if m)
+    ax.set_title(f"{PLACEMENT} ({sum(moves)} moved in {moving} of {len(updates)} steps{fell_back})")
 
 
 def _draw_cache(ax: Any, updates: Sequence[Update]) -> None:

@@ -95,6 +95,10 @@ class UpdateStats(NamedTuple):
       placement: how many subgroups have their newest stored record on each path, keyed by path.
       bandwidth: the scheduler's estimate of each path's bandwidth after this call, keyed by path,
         as ``{"read": bytes/s, "write": bytes/s}``: declared, probed, or measured while running.
+      moves: subgroups the scheduler moved to another path after this call (each is written there
+        by the next update).
+      fallback: whether the scheduler has put every subgroup on the fastest path and stopped
+        rebalancing, because the paths together were slower than it alone would be.
       check_s: of an init, the seconds the optimizer check took (see :mod:`jax_mlp.dependence`).
       whole_leaf_subgroups: of an init, each leaf kept whole although its state exceeds
         ``subgroup_size`` (its optimizer mixes its rows), keyed by leaf path, with its subgroup's index.
@@ -116,6 +120,8 @@ class UpdateStats(NamedTuple):
     events: tuple[IOEvent, ...] = ()
     placement: Mapping[str, int] = _NO_PLACEMENT
     bandwidth: Mapping[str, Mapping[str, float]] = MappingProxyType({})
+    moves: int = 0
+    fallback: bool = False
     check_s: float = 0.0
     whole_leaf_subgroups: Mapping[str, int] = _NO_PLACEMENT
     transfer: str = "plain"
@@ -238,6 +244,9 @@ def update_stats(
     locations: Mapping[int, int],
     paths: Sequence[str],
     speeds: Sequence[Any],
+    moves: int = 0,
+    fallback: bool = False,
+    ended: float | None = None,
 ) -> UpdateStats:
     """The stats of one call, from what its pipeline run and its counters measured.
 
@@ -250,8 +259,12 @@ def update_stats(
       locations: the path index of each subgroup's newest stored record.
       paths: the paths' names, in index order.
       speeds: the scheduler's :class:`~jax_mlp.model.PathSpeed` per path.
+      moves: subgroups the scheduler moved after this call.
+      fallback: whether the scheduler has fallen back to the fastest path alone.
+      ended: the ``time.perf_counter()`` at which the call's pipeline ended (default: now), the
+        origin of its events with ``timings``: what ran since (the scheduler) is not the update's.
     """
-    started = time.perf_counter() - timings.total - extra_wait
+    started = (time.perf_counter() if ended is None else ended) - timings.total - extra_wait
     stored = collections.Counter(locations.values())
     return UpdateStats(
         step=step,
@@ -271,6 +284,8 @@ def update_stats(
             path: {"read": speed.read_bandwidth, "write": speed.write_bandwidth}
             for path, speed in zip(paths, speeds, strict=True)
         },
+        moves=moves,
+        fallback=fallback,
     )
 
 

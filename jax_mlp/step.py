@@ -33,7 +33,7 @@ from jax_mlp.errors import OffloadError
 from jax_mlp.idle import IdleIO, fetch_counted
 from jax_mlp.partition import Plan
 from jax_mlp.programs import Programs
-from jax_mlp.scheduler import Scheduler
+from jax_mlp.scheduler import Measured, Scheduler
 from jax_mlp.sharding import BlockKey
 from jax_mlp.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
 from jax_mlp.storage.capacity import check_capacity
@@ -311,8 +311,11 @@ class StateStream:
 
         ``notes`` are further fields of its stats (those of the optimizer check, for an init).
         """
+        ended = time.perf_counter()
         self._total_compiles += compiles
-        self.scheduler.observe([path.traffic.take_usage() for path in self.tiers.paths])
+        usages = [path.traffic.take_usage() for path in self.tiers.paths]
+        waited = timings.read_wait + timings.write_wait + extra_wait
+        self.scheduler.observe(usages, self.config.host_cache, Measured(timings.total + extra_wait, waited))
         stats = update_stats(
             step,
             timings,
@@ -323,6 +326,9 @@ class StateStream:
             self.tiers.locations.paths,
             [path.root for path in self.tiers.paths],
             self.scheduler.speeds,
+            self.scheduler.last_moves,
+            self.scheduler.fallback,
+            ended,
         )
         self.last_stats = stats._replace(transfer=self.transfer.name, **notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update

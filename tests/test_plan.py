@@ -95,6 +95,7 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     args = ["--params", "1M", "--master", "--master-storage", "full", "--processes-per-node", "2"]
     args += ["--subgroup-size", "1MiB"]
     args += ["--paths", "nvme=1GB/s:500MB/s", "--host-cache", "4MiB", "--compute-s", "0.01", "--host-memory", "8GiB"]
+    args += ["--prefetch-depth", "2", "--write-depth", "2"]
     out = plan(capsys, *args)
     state = 1e6 * 12 / 2  # per process
     records, cached = math.ceil(state / MiB), 2  # 6 records, 2 of them in a process's 2 MiB of cache
@@ -158,7 +159,9 @@ def test_the_forward_and_backward_from_flops(capsys):
 def test_host_memory_over_the_node_is_a_warning(capsys):
     out = plan(capsys, "--params", "7B", "--paths", "nvme=5GB/s", "--host-cache", "100GiB", "--host-memory", "32GiB")
     assert "WARNING: over --host-memory 32.0 GiB" in out
-    room = 32 * 1024**3 - (2 + 2 + 1) * 64 * MiB - POOL_BYTES - model.PROCESS_BYTES  # all but the cache
+    config = OffloadConfig("/unused")
+    in_flight = config.prefetch_depth + config.write_depth + 1
+    room = 32 * 1024**3 - in_flight * 64 * MiB - POOL_BYTES - model.PROCESS_BYTES  # all but the cache
     assert f"the largest --host-cache that fits: {format_bytes(room)}" in out
 
 

@@ -73,11 +73,46 @@ class NodeLock:
 
 
 class Usage(NamedTuple):
-    """What one path moved since the last look, and for how long it was busy doing it."""
+    """What one path moved since the last look, and for how long it was busy doing it.
+
+    Busy times are unions of transfer intervals: ``read_busy_seconds`` of the reads,
+    ``write_busy_seconds`` of the writes, ``busy_seconds`` of both. A device that serves both
+    directions at once (full duplex) has ``busy_seconds`` near the larger of the two; one that serves
+    them as one pipe, near their sum.
+    """
 
     bytes_read: int
     bytes_written: int
     busy_seconds: float
+    read_busy_seconds: float = 0.0
+    write_busy_seconds: float = 0.0
+
+
+class _Meter:
+    """The union of a set of overlapping intervals, accumulated as they start and end."""
+
+    def __init__(self):
+        self.active = 0
+        self.since = 0.0
+        self.busy = 0.0
+
+    def start(self, now: float) -> None:
+        if self.active == 0:
+            self.since = now
+        self.active += 1
+
+    def end(self, now: float) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.busy += now - self.since
+
+    def take(self, now: float) -> float:
+        """The busy time since the previous take; a running interval counts up to ``now`` and restarts there."""
+        busy, self.busy = self.busy, 0.0
+        if self.active:
+            busy += now - self.since
+            self.since = now
+        return busy
 
 
 class Traffic:
@@ -95,9 +130,8 @@ class Traffic:
         self._node_lock = NodeLock(lock_file) if lock_file else contextlib.nullcontext()
         self.bucket = TokenBucket(max_read, max_write)
         self._lock = threading.Lock()
-        self._active = 0
-        self._busy_since = 0.0
-        self._usage = Usage(0, 0, 0.0)
+        self._meters = {"any": _Meter(), "read": _Meter(), "write": _Meter()}
+        self._bytes = {"read": 0, "write": 0}
 
     def set_caps(self, max_read: float | None, max_write: float | None) -> None:
         """Changes the caps (bytes/s, None for none); takes effect on the next transfer."""
@@ -109,31 +143,23 @@ class Traffic:
         with self._inflight, self._node_lock:
             started = time.monotonic()
             with self._lock:
-                if self._active == 0:
-                    self._busy_since = started
-                self._active += 1
+                for meter in (self._meters["any"], self._meters[kind]):
+                    meter.start(started)
             try:
                 yield
                 self.bucket.pace(kind, nbytes, started)
             finally:
                 ended = time.monotonic()
                 with self._lock:
-                    self._active -= 1
-                    read, written, busy = self._usage
-                    if kind == "read":
-                        read += nbytes
-                    else:
-                        written += nbytes
-                    if self._active == 0:
-                        busy += ended - self._busy_since
-                    self._usage = Usage(read, written, busy)
+                    self._bytes[kind] += nbytes
+                    for meter in (self._meters["any"], self._meters[kind]):
+                        meter.end(ended)
 
     def take_usage(self) -> Usage:
         """The usage since the previous call (transfers still running count in the next)."""
         with self._lock:
-            usage, self._usage = self._usage, Usage(0, 0, 0.0)
-            if self._active:
-                now = time.monotonic()
-                usage = usage._replace(busy_seconds=usage.busy_seconds + now - self._busy_since)
-                self._busy_since = now
+            now = time.monotonic()
+            busy = {name: meter.take(now) for name, meter in self._meters.items()}
+            usage = Usage(self._bytes["read"], self._bytes["write"], busy["any"], busy["read"], busy["write"])
+            self._bytes = {"read": 0, "write": 0}
             return usage
