@@ -69,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cached-state", default="512MiB", help="adam state of the optax vs cached comparison")
     parser.add_argument("--updates", type=int, default=5, help="measured updates (after one warm-up)")
     parser.add_argument("--threads", type=int, default=4, help="whole-record raw requests in flight, and max_inflight")
-    parser.add_argument("--prefetch-depth", type=int, default=2)
-    parser.add_argument("--write-depth", type=int, default=2)
+    defaults = jax_mlp.OffloadConfig("/unused")  # the library's own depths: the benchmark measures the defaults
+    parser.add_argument("--prefetch-depth", type=int, default=defaults.prefetch_depth)
+    parser.add_argument("--write-depth", type=int, default=defaults.write_depth)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (for tests)")
     parser.add_argument("--before", default=None, help="an earlier efficiency.json to draw next to this run")
     parser.add_argument("--dir", default=None, help="the path under test (default: a temp dir inside --out)")

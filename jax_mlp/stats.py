@@ -136,14 +136,15 @@ class UpdateStats(NamedTuple):
         return busy_seconds((e.start, e.end) for e in self.events if e.kind == kind and e.path == path)
 
     def as_dict(self) -> dict[str, Any]:
-        """A flat, JSON-ready dict, with ``bytes_read[<path>]`` style keys for per-path figures.
+        """A flat dict of numbers, ready for a metrics logger, with ``bytes_read[<path>]`` style keys for per-path figures.
 
         Returns:
-          The scalar fields, then per path: ``bytes_read``, ``bytes_written``, ``read_busy_s`` and
+          The numeric scalar fields and ``pinned_transfer`` (1 where subgroups took the pinned path), then per path: ``bytes_read``, ``bytes_written``, ``read_busy_s`` and
           ``write_busy_s`` (seconds the path spent reading or writing) and ``placement`` (subgroups
           stored there); then ``whole_leaf_subgroups[<leaf>]`` for each leaf kept whole.
         """
-        flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, (Mapping, tuple))}
+        flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, (Mapping, tuple, str))}
+        flat["pinned_transfer"] = int(self.transfer == "pinned")
         for path in self.paths:
             flat[f"bytes_read[{path}]"] = self.bytes_read[path]
             flat[f"bytes_written[{path}]"] = self.bytes_written[path]

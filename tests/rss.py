@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import jax
 import psutil
 
 
@@ -32,3 +33,18 @@ class PeakRise:
         time.sleep(0.01)
         self._done.set()
         self._thread.join()
+
+
+def update_rises(tx, params, steps: int = 3) -> list[int]:
+    """The RSS rise of each of ``steps`` eager updates of ``tx`` from ``tx.init(params)``, grads made beforehand."""
+    state = tx.init(params)
+    rises = []
+    for step in range(steps):
+        grads = jax.tree.map(lambda p, step=step: p * 0.01 + step, params)
+        jax.block_until_ready(grads)
+        with PeakRise() as peak:
+            updates, state = tx.update(grads, state, params)
+            jax.block_until_ready(updates)
+        rises.append(peak.rise)
+        del updates, grads
+    return rises

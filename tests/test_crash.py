@@ -76,7 +76,7 @@ CHILD = textwrap.dedent(
                 die(subgroup=subgroup)
         return fetch(self, subgroup, step)
 
-    def running(self, order, fetch, compute, store):
+    def running(self, order, fetch, compute, store, *describe):
         def computing(index, fetched):
             if updating == [KILLED_AT]:
                 calls.append(index)
@@ -84,7 +84,7 @@ CHILD = textwrap.dedent(
                     die(computed=len(calls) - 1)
             return compute(index, fetched)
 
-        return run(self, order, fetch, computing, store)
+        return run(self, order, fetch, computing, store, *describe)
 
     def writing(self, subgroup, slot, record):
         # "write": a record of step KILLED_AT + 1 inside update KILLED_AT; "writeback": a dirty cached

@@ -15,21 +15,12 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, optax
     import jax_mlp
     sys.path.insert(0, sys.argv[2])
-    from rss import PeakRise
+    from rss import update_rises
 
     n = 128 * 1024**2  # 128M float32 params: 512 MiB; adam state: 1 GiB
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32), "b": jnp.zeros((1024,), jnp.float32)}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], host_cache="32MiB", subgroup_size="8MiB")
-    state = tx.init(params)
-    rises = []
-    for step in range(3):
-        grads = jax.tree.map(lambda p: p * 0.01 + step, params)
-        jax.block_until_ready(grads)
-        with PeakRise() as peak:
-            updates, state = tx.update(grads, state, params)
-            jax.block_until_ready(updates)
-        rises.append(peak.rise)
-        del updates, grads
+    rises = update_rises(tx, params)
     print(json.dumps({"rises": rises, "state_bytes": tx.offloader.plan.state_nbytes,
                       "subgroups": len(tx.offloader.plan.subgroups)}))
     tx.close(delete=True)

@@ -325,21 +325,12 @@ MEMORY_CHILD = textwrap.dedent(
     import jax, jax.numpy as jnp, optax
     import jax_mlp
     sys.path.insert(0, sys.argv[2])
-    from rss import PeakRise
+    from rss import update_rises
 
     n = 32 * 1024**2  # 32M float32 params: 128 MiB; adam state: 256 MiB
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32)}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], subgroup_size="8MiB")
-    state = tx.init(params)
-    rises = []
-    for step in range(3):
-        grads = jax.tree.map(lambda p: p * 0.01 + step, params)
-        jax.block_until_ready(grads)
-        with PeakRise() as peak:
-            updates, state = tx.update(grads, state, params)
-            jax.block_until_ready(updates)
-        rises.append(peak.rise)
-        del updates, grads
+    rises = update_rises(tx, params)
     config = tx.offloader.config
     print(json.dumps({"rises": rises, "state_bytes": tx.offloader.plan.state_nbytes,
                       "record_bytes": max(sg.layout.nbytes for sg in tx.offloader.plan.subgroups),

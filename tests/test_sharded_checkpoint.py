@@ -190,7 +190,7 @@ def test_sharded_remainder_masters_save_whole_and_restore_bitwise(tmp_path):
     of the params, and a restore on the same plan continues bit for bit."""
     mesh = mesh_2x4()
     params = sharded(make_params(dtype=jnp.bfloat16), mesh)
-    options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32}
+    options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32, "master_storage": "remainder"}
     tx = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "a", tmp_path / "b"], **options)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         params, state = train(tx, params, tx.init(params), range(3))
