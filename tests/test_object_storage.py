@@ -44,32 +44,29 @@ requests' own time, not a hang."""
 INNER = optax.adam(1e-2)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server with the bucket ``bkt``, and keys in the environment for tensorstore."""
-    server = MotoS3().start()
+def _serving(server, environ: dict, bucket: str):
+    """Yields ``server`` with ``bucket`` made and ``environ`` set for tensorstore; stops it after."""
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in S3_KEYS.items():
+        for name, value in environ.items():
             patch.setenv(name, value)
         try:
-            server.create_bucket("bkt")
+            server.create_bucket(bucket)
             yield server
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server with the bucket ``bkt``, and keys in the environment for tensorstore."""
+    yield from _serving(MotoS3().start(), S3_KEYS, "bkt")
 
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     """fake-gcs-server with the bucket ``gbkt``, its objects on disk (they survive a restart)."""
     server = FakeGcs(tmp_path_factory.mktemp("gcs") / "objects").start()
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in server.environ().items():
-            patch.setenv(name, value)
-        try:
-            server.create_bucket("gbkt")
-            yield server
-        finally:
-            server.stop()
+    yield from _serving(server, server.environ(), "gbkt")
 
 
 def test_urls_and_specs_are_paths_named_with_their_bucket():
