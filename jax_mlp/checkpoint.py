@@ -67,8 +67,8 @@ class OffloadSave(ocp.args.CheckpointArgs):
 
     Attributes:
       offload: what :func:`~jax_mlp.mlp_offload` returned (or its :class:`~jax_mlp.Offloader`), initialised.
-      params: the params at the offload's step; needed with ``master_storage="remainder"`` (the
-        default for bf16 params with fp32 masters), whose records hold only the masters' low halves:
+      params: the params at the offload's step; needed with ``master_storage="remainder"`` (bf16
+        params with fp32 masters), whose records hold only the masters' low halves:
         the checkpoint holds the whole fp32 master, rebuilt from them. Their blocks are copied to the
         host when the save starts, so the params may be updated (or donated) while it streams.
     """
@@ -237,9 +237,7 @@ def _high_halves(
 ) -> dict[int, list[np.ndarray | None]]:
     """Per subgroup of ``subgroups`` with remainder masters, each master field's param block on the host
     (None for a whole master): the high halves that rebuild the masters a checkpoint holds."""
-    needed = {
-        k: [f.dtype == remainders.REMAINDER_DTYPE for f in plan.subgroups[k].layout.master_fields] for k in subgroups
-    }
+    needed = {k: remainders.held_as_remainders(plan.subgroups[k].layout.master_fields) for k in subgroups}
     needed = {k: flags for k, flags in needed.items() if any(flags)}
     if not needed:
         return {}
@@ -539,7 +537,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
             "this mlp_offload keeps no master params (master_dtype=None), so the tiers cannot give the params back; "
             "restore them from a checkpoint"
         )
-    if any(f.dtype == remainders.REMAINDER_DTYPE for sg in plan.subgroups for f in sg.layout.master_fields):
+    if any(any(remainders.held_as_remainders(sg.layout.master_fields)) for sg in plan.subgroups):
         raise OffloadError(
             "this mlp_offload keeps its fp32 masters as remainders (master_storage='remainder'): the tiers hold "
             "only their low halves, the params being the high halves, so they cannot give the params back; restore "

@@ -71,8 +71,7 @@ class SubgroupSpec(NamedTuple):
             treedef,
             plan.master_dtype,
             _positions(treedef, shared_paths),
-            tuple(f.dtype == remainders.REMAINDER_DTYPE for f in subgroup.layout.master_fields)
-            or (False,) * len(pieces),
+            remainders.held_as_remainders(subgroup.layout.master_fields) or (False,) * len(pieces),
         )
 
     def view(self, values: Sequence[Any]) -> Any:

@@ -20,6 +20,9 @@ as the word itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +33,11 @@ REMAINDER_DTYPE = np.dtype(np.int16)
 _EXPONENT = 0x7F800000
 _MAGNITUDE_INF = 0x7F80  # of a bf16 word
 _HIGH_QUIET = 0x0040  # a mantissa bit of the bf16 word, set so a NaN's word never reads as inf
+
+
+def held_as_remainders(master_fields: Sequence[Any]) -> tuple[bool, ...]:
+    """Per master field of a record layout (anything with a ``dtype``), whether it holds a remainder."""
+    return tuple(np.dtype(field.dtype) == REMAINDER_DTYPE for field in master_fields)
 
 
 def stored_master_dtype(param_dtype: np.dtype, master_dtype: np.dtype, storage: str) -> np.dtype:
