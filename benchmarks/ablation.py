@@ -574,6 +574,7 @@ def real_row(runner: Runner, variant: dict, pair: tuple, plan: Plan, tiers: Tier
         "moves": [stats["moves"] for stats in runner.stats],
         "fallback": runner.stats[-1]["fallback"],
         "bandwidth": runner.stats[-1].get("bandwidth"),
+        "estimates": [stats.get("bandwidth") for stats in runner.stats],
         "bytes_read": _bytes_by_path(runner.stats[-1], "bytes_read"),
         "bytes_written": _bytes_by_path(runner.stats[-1], "bytes_written"),
     }

@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -80,7 +83,7 @@ def _write(path: str, text: str) -> None:
 def throttled_devices(throttles: Sequence[Throttle], size: int, root: str | None = None) -> Iterator[Devices]:
     """Makes one loop-backed ext4 file system per throttle, each throttled in a fresh blkio cgroup.
 
-    Everything made is torn down on exit, also after an error: processes in the cgroup are moved back
+    Everything made is torn down on exit, also after an error or a SIGTERM: processes in the cgroup are moved back
     to the root cgroup, file systems unmounted, loop devices detached, images and the cgroup removed.
 
     Args:
@@ -96,6 +99,7 @@ def throttled_devices(throttles: Sequence[Throttle], size: int, root: str | None
     """
     check_support()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_exit_on_sigterm())
         base = root or stack.enter_context(tempfile.TemporaryDirectory(prefix="jax_mlp_devices_"))
         cgroup = os.path.join(BLKIO, f"jax_mlp_{os.getpid()}")
         os.mkdir(cgroup)
@@ -105,6 +109,19 @@ def throttled_devices(throttles: Sequence[Throttle], size: int, root: str | None
             for index, throttle in enumerate(throttles)
         )
         yield Devices(devices, cgroup)
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """Turns SIGTERM (``kill``, a test runner's timeout) into SystemExit, so the teardown runs; main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,13 @@
   still read from its old path in the update that moves it. Until every rate is fitted across
   loads, a move goes halfway to the split it computes. It moves subgroups only when the
   predicted gain is above a tenth of the update and above the extra time of the moving update, and
-  a moved subgroup stays put for a few updates, so the placement settles instead of swinging. A
+  a moved subgroup stays put for a few updates, so the placement settles instead of swinging.
+  Records never go back the way others came (from the path they were moved to, to the one they
+  left) until some path's measurements change: a throttle lets a lightly loaded path look faster
+  than it is (it lets a burst through after each pause), so the path that gave records away looks
+  fast and would get them back, update after update. Moves are on trial: if the two settled
+  updates after them measure more than a tenth slower than the ones before, they are undone, and
+  nothing moves until a path changes. A
   moved subgroup is written to its new path at its next write-back, which happens every step anyway:
   a move costs no extra bytes.
 * **Fallback.** Once the placement has settled, if the measured updates are slower than the model
@@ -57,6 +63,15 @@ class Measured(NamedTuple):
 
     seconds: float
     io_wait: float
+
+
+class Trial(NamedTuple):
+    """Moves on trial: the placement and shares before them, and the measured update (the median of the
+    settled ones before them) they have to beat."""
+
+    previous: list[int]
+    shares: tuple[float, ...]
+    before: float
 
 
 def weighted_interleave(record_bytes: Sequence[int], shares: Sequence[float]) -> list[int]:
@@ -329,6 +344,9 @@ class Scheduler:
         self.updates = 0
         self.fallback = False
         self._moved_at = [-HOLD] * len(self.record_bytes)
+        self._flows: set[tuple[int, int]] = set()  # (from, to) paths records moved along since the last change
+        self._trial: Trial | None = None
+        self._last_move = -HOLD
         self._settled: collections.deque[Measured] = collections.deque(maxlen=WINDOW)
 
     @property
@@ -370,7 +388,7 @@ class Scheduler:
           measured: the update's wall time and I/O wait, which the fallback compares with one path.
         """
         offs = [estimate.surprise(usage) for estimate, usage in zip(self.estimates, usages, strict=True)]
-        for estimate, usage, off in zip(self.estimates, usages, _local(offs), strict=True):
+        for estimate, usage, off in zip(self.estimates, usages, _local(_significant(offs, usages)), strict=True):
             estimate.add(usage, off)
         self.updates += 1
         self.last_moves = 0
@@ -378,10 +396,14 @@ class Scheduler:
         changed = any(estimate.changed for estimate in self.estimates)
         if changed:
             self._settled.clear()
+            self._flows.clear()
+            self._trial = None
         if not self.rebalance or not self._measured(loads):
             return
-        if measured is not None and not changed:
+        if measured is not None and not changed and self.updates - self._last_move > 1:  # not a moving update
             self._settled.append(measured)
+        if self._trial is not None and self._judge(self._trial):
+            return
         speeds = self.speeds
         shares = loads.shares(speeds)
         if not changed and not self._fitted(loads):  # rates inflated by bursts: go halfway, varying the loads
@@ -389,13 +411,18 @@ class Scheduler:
             shares = tuple((a + b) / 2 for a, b in zip(held, shares, strict=True))
         movable = [changed or self.updates - moved >= HOLD for moved in self._moved_at]
         placement = min(  # whole records: the split's count rounded either way, whichever predicts faster
-            (shift_placement(self.placement, self.record_bytes, shares, movable, rounding) for rounding in _ROUNDINGS),
+            (
+                self._without_reversals(shift_placement(self.placement, self.record_bytes, shares, movable, rounding))
+                for rounding in _ROUNDINGS
+            ),
             key=lambda candidate: loads.seconds(speeds, candidate, candidate),
         )
         now = loads.seconds(speeds, self.placement, self.placement)
         gain = now - loads.seconds(speeds, placement, placement)
         moving = loads.seconds(speeds, self.placement, placement) - now  # reads still from the old paths
         if gain > MIN_GAIN * now and gain > moving:
+            if self._trial is None and self._settled:  # moves in a row are judged together, against the first's
+                self._trial = Trial(self.placement, self.shares, statistics.median(m.seconds for m in self._settled))
             self._move(shares, placement)
         elif len(self._settled) == WINDOW:
             self._fall_back_if_slower(loads, speeds)
@@ -416,11 +443,38 @@ class Scheduler:
             self._move(tuple(float(i == fastest) for i in range(len(speeds))), [fastest] * len(self.placement))
             self.rebalance, self.fallback = False, True
 
+    def _judge(self, trial: Trial) -> bool:
+        """Undoes the moves on trial if the first two settled updates after them were slower than before.
+
+        The model predicted a gain and the measurement says otherwise: the measurement wins. Undoing them
+        leaves records moved both ways between the paths, so nothing moves until a path changes.
+
+        Returns:
+          Whether it undid them.
+        """
+        if len(self._settled) < 2:
+            return False
+        self._trial = None
+        if statistics.median(m.seconds for m in self._settled) <= (1 + MIN_GAIN) * trial.before:
+            return False
+        self._move(trial.shares, trial.previous)
+        return True
+
+    def _without_reversals(self, placement: list[int]) -> list[int]:
+        """``placement`` with each record kept where it is if moving it would go back the way records came.
+
+        Since the last change no path's estimate moved by more than its noise, so a move back would
+        follow the estimates' bias (a lightly loaded throttle looks fast), not the paths.
+        """
+        return [now if (new, now) in self._flows else new for now, new in zip(self.placement, placement, strict=True)]
+
     def _move(self, shares: tuple[float, ...], placement: list[int]) -> None:
-        """Takes the new placement, noting which subgroups moved and when."""
+        """Takes the new placement, noting which subgroups moved, when, and along which paths."""
         moved = [k for k, (a, b) in enumerate(zip(self.placement, placement, strict=True)) if a != b]
         for k in moved:
             self._moved_at[k] = self.updates
+            self._flows.add((self.placement[k], placement[k]))
+        self._last_move = self.updates
         self.last_moves = len(moved)
         self.moves += len(moved)
         self.shares, self.placement = shares, placement
@@ -442,6 +496,29 @@ class Scheduler:
         """Whether every path has enough measurements of each direction the updates use."""
         kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
         return bool(kinds) and all(estimate.measured(kind) for estimate in self.estimates for kind in kinds)
+
+
+SIGNIFICANT = 0.5
+"""Of the update's longest busy time, what a direction must take (measured or predicted) for its surprise to count."""
+
+
+def _significant(offs: Sequence[dict[str, float]], usages: Sequence[Usage]) -> list[dict[str, float]]:
+    """Each path's surprises, without those of directions too lightly loaded to matter.
+
+    A throttle lets a lightly loaded path through in bursts (a slice of its rate after each pause),
+    so its busy time swings several times either way from one update to the next. A direction that
+    took, and was expected to take, under ``SIGNIFICANT`` of the longest busy time of the update
+    does not decide it: its surprise counts as none.
+    """
+    busy = [dict((kind, seconds) for kind, _, seconds in _directions(usage)) for usage in usages]
+    longest = max((seconds for directions in busy for seconds in directions.values()), default=0.0)
+    return [
+        {
+            kind: ratio if max(mine[kind], mine[kind] / ratio) >= SIGNIFICANT * longest else 1.0
+            for kind, ratio in off.items()
+        }
+        for off, mine in zip(offs, busy, strict=True)
+    ]
 
 
 def _local(offs: Sequence[dict[str, float]]) -> list[dict[str, float]]:
