@@ -284,3 +284,39 @@ def test_a_checkpoint_of_int8_state_restores_into_another_plan_and_into_memory(t
     in_memory, _ = train(inner, params, plain, range(5, 10))
     for name, result in (("other plan", other_plan), ("in memory", in_memory)):
         assert_close_to_optax(result, expected, bound=LOW_PRECISION_STATE_BOUND, what=name)
+
+
+def _as_old_format(leaf: jax.Array) -> np.ndarray:
+    """An int8-coded leaf as format 1 would have held it: the same codes, float32 scales for block words."""
+    packed = np.asarray(leaf)
+    n = packed.shape[-1] - 4 * -(-packed.shape[-1] // (quantized.BLOCK_SIZE + 4))
+    scales = np.ones((*packed.shape[:-1], packed.shape[-1] - n), np.uint8).view(np.float32)
+    return np.concatenate([packed[..., :n], scales.view(np.uint8)], axis=-1)
+
+
+def test_tiers_and_checkpoints_of_the_old_int8_format_are_refused_with_a_clear_error(tmp_path):
+    """A run.json from before the block format (no ``int8_format``) is not resumed, and old codes not restored."""
+    import json
+
+    import orbax.checkpoint as ocp
+    from conftest import abstract, train
+
+    inner, params = CODECS["int8"](), make_params()
+    run_offload(inner, params, 2, [tmp_path / "run"], subgroup_size=SUBGROUP)
+    (run_file,) = (tmp_path / "run").glob("*/run.json")
+    identity = json.loads(run_file.read_text())
+    assert identity["int8_format"] == quantized.INT8_FORMAT
+    run_file.write_text(json.dumps({k: v for k, v in identity.items() if k != "int8_format"}))  # as format 1 wrote it
+    with pytest.raises(jax_mlp.OffloadError, match=r"int8 state codes are of format 1.*start a new run"):
+        jax_mlp.mlp_offload(inner, paths=[tmp_path / "run"], subgroup_size=SUBGROUP, resume=True).init(params)
+    _, state = train(inner, params, inner.init(params), range(2))
+    old = jax.tree.map(lambda x: _as_old_format(x) if x.dtype == jnp.uint8 else x, state)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(2, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(old)))
+    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "restored"], subgroup_size=SUBGROUP)
+    with (
+        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+        pytest.raises(jax_mlp.OffloadError, match=r"checkpoint array .*mu.* holds int8 state codes of an older format"),
+    ):
+        manager.restore(2, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(params))))
+    tx.close()
