@@ -4,7 +4,7 @@ A tiny language model (an embedding, one hidden layer, the logits) learns next-t
 of Zipf-distributed tokens: rare tokens give the tiny second moments that a linear int8 map rounds
 to zero. The script trains it with fp32 adam, then
 
-- quantizes the trained ``nu`` (and ``mu``) with four maps and reports the relative error of ``nu``,
+- quantizes the trained ``nu`` (and ``mu``) with six maps and reports the relative error of ``nu``,
   the share of non-zero ``nu`` decoded as zero, and the error of the adam direction ``mu / sqrt(nu)``;
 - trains it again with ``quantized_state(adam, codec)`` for each codec and reports the final loss;
 - times each codec's encoding and decoding of a large leaf, in nanoseconds per element.
@@ -102,12 +102,43 @@ def _blockwise(x: np.ndarray, values: np.ndarray, *, root: bool) -> np.ndarray:
     return _unblock(decoded**2 if root else decoded, x.shape[-1])
 
 
+def dynamic_map(*, signed: bool, decades: int = 7) -> np.ndarray:
+    """The 256 sorted values of bitsandbytes' dynamic map in [-1, 1] (signed) or [0, 1], as int8 format 1 used.
+
+    Decade ``i`` (from ``10**-(decades-1)`` up to 1) gets ``2**i`` fraction steps (twice as many when
+    unsigned), at the midpoints of an even split of ``[0.1, 1]`` times the decade; 0 and 1 are exact
+    (Dettmers, "8-bit approximations for parallelism in deep learning", arXiv 1511.04561).
+    """
+    values = [0.0, 1.0]
+    for i in range(decades):
+        steps = 2 ** (i + (0 if signed else 1))
+        edges = np.linspace(0.1, 1.0, steps + 1)
+        magnitudes = 10.0 ** (i - decades + 1) * (edges[:-1] + edges[1:]) / 2
+        values += list(magnitudes) + (list(-magnitudes) if signed else [])
+    return np.sort(np.asarray(values, np.float32))
+
+
+def _block_float_of_sqrt(x: np.ndarray, mantissa: int) -> np.ndarray:
+    """Round trip of finite non-negative ``x`` through 8-bit block floating point of ``sqrt(x)`` with
+    ``mantissa`` fraction bits (what quantized_state does with 4), in numpy, for comparing fraction widths."""
+    shift = np.uint32(23 - mantissa)
+    prefix = ((np.sqrt(_blocks(x)).astype(np.float32).view(np.uint32) + (np.uint32(1) << (shift - 1))) >> shift).astype(
+        np.int64
+    )
+    base = np.maximum(prefix.max(axis=-1, keepdims=True) - 255, 0)
+    code = np.maximum(prefix - base, 0)
+    root = np.where(code == 0, 0, (code + base) << int(shift)).astype(np.uint32).view(np.float32)
+    return _unblock(root * root, x.shape[-1])
+
+
 LINEAR = np.linspace(0.0, 1.0, 256, dtype=np.float32)
 NU_MAPS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "linear absmax": lambda x: _blockwise(x, LINEAR, root=False),
-    "dynamic map (bitsandbytes, torchao)": lambda x: _blockwise(x, quantized.dynamic_map(signed=False), root=False),
+    "dynamic map (bitsandbytes, torchao)": lambda x: _blockwise(x, dynamic_map(signed=False), root=False),
     "linear absmax of sqrt": lambda x: _blockwise(x, LINEAR, root=True),
-    "dynamic map of sqrt (quantized_state)": lambda x: np.asarray(
+    "dynamic map of sqrt (int8 format 1)": lambda x: _blockwise(x, dynamic_map(signed=False), root=True),
+    "block float of sqrt, 3 fraction bits": lambda x: _block_float_of_sqrt(x, 3),
+    "block float of sqrt, 4 fraction bits (quantized_state)": lambda x: np.asarray(
         quantized.dequantize_int8(quantized.quantize_int8(jnp.asarray(x)))
     ),
 }

@@ -33,7 +33,7 @@ import optax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jax_mlp import partition, peers, remainders
+from jax_mlp import partition, peers, quantized, remainders
 from jax_mlp.checkpoint_layout import (
     STATE,
     Box,
@@ -423,9 +423,15 @@ class _Restore:
         self.layout = layout_of(inner, plan)
         self.arrays = [arrays.get(name) for name in self.layout.names]
         self.params = jax.tree.leaves(params)
+        self.codes = quantized.int8_codes(jax.tree_util.tree_unflatten(self.layout.treedef, self.layout.leaves))
 
     def _master_from_params(self, region: Region, leaf: int) -> np.ndarray:
         return _host_block(self.params[leaf], region.box).astype(self.plan.master_dtype)
+
+    def _check_codes(self, value: np.ndarray, region: Region) -> None:
+        """Refuses int8 codes of an older format; only whole rows hold their blocks' words."""
+        if value.ndim and value.shape[-1] == self.arrays[region.leaf].shape[-1]:
+            quantized.check_int8_format(value, f"checkpoint array {self.layout.names[region.leaf]}")
 
     def load(self, index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Subgroup ``index``'s state and master leaves, read from the checkpoint (or the params)."""
@@ -439,6 +445,8 @@ class _Restore:
             value = self._master_from_params(region, subgroup.pieces[i - split].leaf) if read is None else read.result()
             if field.dtype == remainders.REMAINDER_DTYPE and i >= split:
                 value = remainders.split(np.asarray(value, np.float32))[1]
+            if read is not None and self.codes[region.leaf]:
+                self._check_codes(np.asarray(value), region)
             values.append(np.asarray(value).astype(field.dtype, copy=False))
         return values[:split], values[split:]
 

@@ -206,7 +206,7 @@ def _bitcast_convert_type(eqn: Any, ins: Sequence[_Dep]) -> list[_Dep]:
 
 
 def _gather(eqn: Any, ins: Sequence[_Dep]) -> list[_Dep]:
-    """A lookup in a table that depends on no leaf (``table[codes]``, as int8 codecs decode): rows follow the codes.
+    """A lookup in a table that depends on no leaf (``table[codes]``, as table-based codecs decode): rows follow the codes.
 
     Only the form whose output has the indices' batch axes, in order (no offset axes, the index vector
     last), keeps the row axis; any other gather, or one from a leaf-dependent operand, mixes rows.

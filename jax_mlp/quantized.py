@@ -15,13 +15,17 @@ orbax and ``mlp_offload``'s records handle it like any other leaf.
 - ``"bf16"``: round to nearest even, or stochastic rounding whose random bits are a hash of the
   bits bf16 keeps, the column, the step and the leaf's tree path: no PRNG state, reproducible, the
   same for a row chunk as for those rows of the whole leaf, so bits never depend on the tiering.
-- ``"int8"``: blocks of ``BLOCK_SIZE`` along the last axis, each with a float32 scale kept at the
-  end of its row; the codes are uint8 indices into a dynamic (exponent + fraction) map, the nearest entry
-  found by one lookup and one compare (``_nearest``: a table indexed by the value's top 16 bits). A block that holds a negative value uses
-  the signed map on ``x / absmax`` (its scale is stored negated); a non-negative block (adam's ``nu``)
-  uses the unsigned map on ``sqrt(x) / max sqrt(x)``. Its seven decades of ``sqrt`` span fourteen
-  of ``nu``, so small ``nu`` never underflows to zero, as a linear absmax map's does (measured in
-  ``benchmarks/state_codecs.py``; docs/concepts.md has the numbers).
+- ``"int8"``: blocks of ``BLOCK_SIZE`` along the last axis in block floating point (as OCP microscaling
+  formats share a block exponent), each block's 4-byte word kept at the end of its row. Coded with
+  integer operations on the float32 bits (no table, gather or division), so codes depend only on the
+  input bits, the same eager or jitted. A value's magnitude bits are rounded (half up) to a few
+  fraction bits; its code is that "prefix" less the block's base, 0 (decoding to 0) at or below it.
+  A block that holds a negative value codes sign and 7 bits of magnitude (3 fraction bits: 15.75
+  binades under the block max, within 1/16); a non-negative block (adam's ``nu``) codes ``sqrt(x)``
+  with 8 bits (4 fraction bits: 31.9 binades, 9.6 decades, of ``x``), so small ``nu`` never
+  underflows to zero, as a linear absmax map's does (measured in ``benchmarks/state_codecs.py``;
+  docs/concepts.md has the numbers). inf and NaN decode as themselves. The block word is a positive
+  NaN carrying a format tag, which no float32 scale of the older dynamic-map format can be.
 """
 
 from __future__ import annotations
@@ -41,32 +45,6 @@ BLOCK_SIZE = 256
 MIN_LAST_AXIS = 16
 
 
-def dynamic_map(*, signed: bool, decades: int = 7) -> np.ndarray:
-    """The 256 sorted values of a dynamic quantization map in [-1, 1] (signed) or [0, 1].
-
-    Decade ``i`` (from ``10**-(decades-1)`` up to 1) gets ``2**i`` fraction steps (twice as many
-    when unsigned), placed at the midpoints of an even split of ``[0.1, 1]`` times the decade: fine
-    steps near the block's maximum, coarser ones far below it, and only values under half the
-    smallest entry (1.6e-7 of the maximum unsigned, 2.8e-7 signed) round to 0; 0 and 1 are exact (Dettmers, "8-bit
-    approximations for parallelism in deep learning", arXiv 1511.04561).
-    """
-    values = [0.0, 1.0]
-    for i in range(decades):
-        steps = 2 ** (i + (0 if signed else 1))
-        edges = np.linspace(0.1, 1.0, steps + 1)
-        magnitudes = 10.0 ** (i - decades + 1) * (edges[:-1] + edges[1:]) / 2
-        values += list(magnitudes) + (list(-magnitudes) if signed else [])
-    if len(values) != 256:
-        raise OffloadError(
-            f"dynamic_map(decades={decades}) has {len(values)} values, but an int8 code indexes 256: use decades=7"
-        )
-    return np.sort(np.asarray(values, np.float32))
-
-
-_SIGNED_MAP = dynamic_map(signed=True)
-_UNSIGNED_MAP = dynamic_map(signed=False)
-
-
 class QuantizedState(NamedTuple):
     """The state of :func:`quantized_state`: its step count and ``inner``'s compressed state."""
 
@@ -83,7 +61,7 @@ def compressible(leaf: Any) -> bool:
 
 
 def packed_width(n: int) -> int:
-    """The last axis of an int8-coded row of ``n`` values: ``n`` codes, then 4 bytes per block's scale."""
+    """The last axis of an int8-coded row of ``n`` values: ``n`` codes, then each block's 4-byte word."""
     return n + 4 * -(-n // BLOCK_SIZE)
 
 
@@ -130,85 +108,142 @@ def _blocks(x: jax.Array) -> jax.Array:
     return padded.reshape(*x.shape[:-1], blocks, BLOCK_SIZE)
 
 
-def _midpoints(values: np.ndarray) -> np.ndarray:
-    return (values[1:] + values[:-1]) / 2
+# The int8 format: block floating point on the float32 bits (see the module docstring). A value's "prefix" is
+# its magnitude bits rounded, half up, to ``mantissa`` fraction bits: ``(m + half) >> shift``, 8 exponent bits
+# then the fraction, ordered as the magnitudes are. A block's word holds ``base``, the prefix its code 0 stands
+# below; a code is ``prefix - base`` (0 when not above it, which decodes to 0).
+class _Format(NamedTuple):
+    """One kind of block: the fraction bits kept, the highest magnitude code, and the largest finite prefix."""
+
+    mantissa: int
+    top_code: int
+    largest: int  # the largest prefix a finite value takes: decoding it (and squaring, unsigned) stays finite
+
+    @property
+    def shift(self) -> int:
+        return 23 - self.mantissa
+
+    def clamp(self) -> int:
+        """The largest magnitude bits that round to ``largest``: finite values above it would round to inf."""
+        return (self.largest << self.shift) + (1 << (self.shift - 1)) - 1
 
 
-def _ordered(bits: Any) -> Any:
-    """float32 bits (numpy or jax uint32) as keys that order as the floats do: negatives reversed, below positives."""
-    return ((bits >> 31) * np.uint32(0xFFFFFFFF)) ^ (bits | np.uint32(0x80000000))
+def _largest_prefix(mantissa: int, square: bool) -> int:
+    """The largest prefix whose value (squared when ``square``) is finite in float32."""
+    top = (0xFF << mantissa) - 1
+    while square and float(np.uint32(top << (23 - mantissa)).view(np.float32)) ** 2 > float(np.finfo(np.float32).max):
+        top -= 1
+    return top
 
 
-# A value's code is the count of its map's midpoints below it. The top 16 bits of its ordered key name a
-# bucket of 2**16 floats, no wider than 2**-7 of its values; a map's finest step (0.9 / 128, at the top of the
-# unsigned map) is wider than any bucket under 1 (2**-8), so a bucket holds at most one midpoint. Per bucket
-# the table holds the count of midpoints below it and the low 16 key bits of the next midpoint if it lies in
-# the bucket (else 0xFFFF, never exceeded): one lookup and one compare give the exact count, ties included.
-_BUCKETS = 1 << 16
+# A block holding a negative value: a sign bit and 7 magnitude bits, 3 fraction bits (127 prefixes, 15.75 binades
+# below the block max, steps of 1/8 of a binade: at most 1/16 relative error, half a step). A non-negative block
+# (adam's nu) codes sqrt(x) with all 8 bits, 4 fraction bits: 255 prefixes, 15.9 binades of sqrt(x), so 31.9
+# binades (9.6 decades) of x, within 1/32 on sqrt(x).
+_SIGNED = _Format(3, 0x7F, _largest_prefix(3, square=False))
+_UNSIGNED = _Format(4, 0xFF, _largest_prefix(4, square=True))
+_INF = 0x7F800000
+_QUIET_NAN = 0x7FC00000
+# The block word: a quiet NaN whose fraction starts with this tag, then the signed flag (bit 12), then base.
+# A float32 scale of the old format (before INT8_FORMAT 2) is finite, +-inf or a negative NaN: never a positive
+# NaN, so a word of the old format is never read as one of this format.
+_TAG = 0x7F800000 | 0x3A5 << 13
+_TAG_MASK = 0xFFFFE000
+_SIGNED_FLAG = 1 << 12
+_BASE_MASK = _SIGNED_FLAG - 1
+INT8_FORMAT = 2
+"""The version of the int8 codes' layout, recorded in ``run.json``: 1 was the dynamic map with float32 scales."""
 
 
-def _bucket_table(values: np.ndarray) -> np.ndarray:
-    """Per bucket of keys, ``below | threshold << 8`` for the map ``values`` (see above)."""
-    keys = _ordered(_midpoints(values).astype(np.float32).view(np.uint32))
-    starts = np.arange(_BUCKETS, dtype=np.uint32) << 16
-    below = np.searchsorted(keys, starts, side="left")
-    if np.any(np.searchsorted(keys, starts | np.uint32(0xFFFF), side="right") - below > 1):
-        raise OffloadError("a bucket of 2**16 floats holds two midpoints of the int8 map: the lookup needs one")
-    following = keys[np.minimum(below, len(keys) - 1)]
-    inside = (below < len(keys)) & ((following >> 16) == np.arange(_BUCKETS))
-    threshold = np.where(inside, following & np.uint32(0xFFFF), np.uint32(0xFFFF))
-    return (below.astype(np.uint32) | threshold << 8).astype(np.uint32)
+def _u32(value: int) -> np.uint32:
+    return np.uint32(value)
 
 
-# The signed map's buckets, then the unsigned map's: one gather finds either.
-_BUCKET_TABLE = np.concatenate([_bucket_table(_SIGNED_MAP), _bucket_table(_UNSIGNED_MAP)])
+def _prefix(m: jax.Array, signed: jax.Array) -> jax.Array:
+    """The prefix of magnitude bits ``m`` (uint32) in the block's format; inf and NaN keep their own prefixes.
 
-
-def _nearest(x: jax.Array, unsigned: jax.Array) -> jax.Array:
-    """The code of the map entry nearest to each element of ``x`` (in [-1, 1]), exactly as a search finds it.
-
-    ``unsigned`` (broadcast against ``x``) picks the map. One gather of the table entry for ``x``'s bucket
-    and one compare with the midpoint in it, with the search's ties (a value on a midpoint takes the lower
-    code); the binary search this replaced took eight dependent gathers per element. A NaN (from an inf in
-    its block) takes code 255, or 0 when its sign bit is set.
+    Monotone in ``m``, so the prefix of a block's largest magnitude is the block's largest prefix.
     """
-    key = _ordered(jax.lax.bitcast_convert_type(x, jnp.uint32))
-    index = (key >> 16) + jnp.where(unsigned, np.uint32(_BUCKETS), np.uint32(0))
-    entry = jnp.asarray(_BUCKET_TABLE).at[index].get(mode="promise_in_bounds")
-    above = (key & np.uint32(0xFFFF)) > (entry >> 8)
-    return ((entry & np.uint32(0xFF)) + above.astype(jnp.uint32)).astype(jnp.uint8)
+
+    def pick(if_signed: int, if_unsigned: int) -> jax.Array:
+        return jnp.where(signed, _u32(if_signed), _u32(if_unsigned))
+
+    shift = pick(_SIGNED.shift, _UNSIGNED.shift)
+    rounded = (jnp.minimum(m, pick(_SIGNED.clamp(), _UNSIGNED.clamp())) + (_u32(1) << (shift - 1))) >> shift
+    special = jnp.where(m > _u32(_INF), _u32(_QUIET_NAN), _u32(_INF)) >> shift  # inf, or NaN as the quiet NaN
+    return jnp.where(m >= _u32(_INF), special, rounded)
 
 
 def quantize_int8(x: jax.Array) -> jax.Array:
     """Blockwise 8-bit codes of float32 ``x`` along its last axis, as uint8 ``(*shape[:-1], packed_width(n))``.
 
-    Each row holds its ``n`` codes, then each block's float32 scale as 4 bytes (negative: a signed
-    block). One plain array per leaf, so the codes travel with any framework's state handling, and
-    the rows of a leaf's codes are the codes of those rows.
+    Each row holds its ``n`` codes, then each block's 4-byte word. Integer operations on the float32 bits
+    (and a correctly rounded ``sqrt``), so the codes depend only on the bits of ``x``: eager and jitted
+    encodings agree, and the rows of a leaf's codes are the codes of those rows.
     """
     n = x.shape[-1]
     blocks = _blocks(x)
-    # One pass of reductions over x; sqrt is monotone and correctly rounded, so max sqrt(x) is sqrt(max x).
-    smallest = jnp.min(blocks, axis=-1, keepdims=True)
-    non_negative = smallest >= 0
-    largest = jnp.abs(jnp.maximum(jnp.max(blocks, axis=-1, keepdims=True), -smallest))
-    absmax = jnp.where(non_negative, jnp.sqrt(largest), largest)
-    magnitude = jnp.where(non_negative, jnp.sqrt(jnp.abs(blocks)), blocks)
-    codes = _nearest(magnitude / jnp.where(absmax > 0, absmax, 1), non_negative)
-    scales = jnp.where(non_negative, absmax, -absmax)[..., 0]
-    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(*x.shape[:-1], -1)
-    return jnp.concatenate([codes.reshape(*x.shape[:-1], -1)[..., :n], scale_bytes], axis=-1)
+    bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
+    # Float reductions (XLA vectorizes them; not its unsigned ones). NaN propagates through min and max, so a
+    # block with a NaN is coded as non-negative, and its NaN, or any negative value's sqrt, decodes as NaN.
+    signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # a negative value, -0.0 aside
+    largest = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    # sqrt is monotone, so the largest sqrt(x) of a non-negative block is sqrt of its largest x.
+    largest = jax.lax.bitcast_convert_type(jnp.where(signed, largest, jnp.sqrt(largest)), jnp.uint32)
+    top = _prefix(largest, signed)
+    base = jnp.maximum(top.astype(jnp.int32) - jnp.where(signed, _SIGNED.top_code, _UNSIGNED.top_code), 0)
+    root = jax.lax.bitcast_convert_type(jnp.sqrt(blocks), jnp.uint32)
+    magnitude = _prefix(jnp.where(signed, bits, root) & _u32(0x7FFFFFFF), signed).astype(jnp.int32)
+    code = jnp.maximum(magnitude - base, 0).astype(jnp.uint32)
+    code = code | jnp.where(signed, (bits >> 31) << 7, _u32(0))
+    word = (_u32(_TAG) | jnp.where(signed, _u32(_SIGNED_FLAG), _u32(0)) | base.astype(jnp.uint32))[..., 0]
+    word_bytes = jax.lax.bitcast_convert_type(word, jnp.uint8).reshape(*x.shape[:-1], -1)
+    return jnp.concatenate([code.astype(jnp.uint8).reshape(*x.shape[:-1], -1)[..., :n], word_bytes], axis=-1)
 
 
 def dequantize_int8(packed: jax.Array) -> jax.Array:
-    """The float32 values that :func:`quantize_int8`'s ``packed`` codes stand for."""
+    """The float32 values that :func:`quantize_int8`'s ``packed`` codes stand for.
+
+    A block whose word is not of this format (a record of the old int8 format) decodes as NaN, never as
+    finite values; ``run.json`` and checkpoint restore refuse such state before it gets here.
+    """
     n = _unpacked_width(packed.shape[-1])
-    codes = _blocks(packed[..., :n].astype(jnp.int32))
-    scales = jax.lax.bitcast_convert_type(packed[..., n:].reshape(*packed.shape[:-1], -1, 4), jnp.float32)[..., None]
-    # One lookup in both maps (signed, then unsigned), not one per map: XLA materializes each gather.
-    entries = jnp.asarray(np.concatenate([_SIGNED_MAP, _UNSIGNED_MAP]))[codes + jnp.where(scales >= 0, 256, 0)]
-    values = jnp.where(scales >= 0, (entries * scales) ** 2, entries * -scales)
-    return values.reshape(*packed.shape[:-1], -1)[..., :n]
+    codes = _blocks(packed[..., :n]).astype(jnp.uint32)
+    word = jax.lax.bitcast_convert_type(packed[..., n:].reshape(*packed.shape[:-1], -1, 4), jnp.uint32)[..., None]
+    signed = (word & _u32(_SIGNED_FLAG)) != 0
+    magnitude = jnp.where(signed, codes & _u32(0x7F), codes)
+    shift = jnp.where(signed, _u32(_SIGNED.shift), _u32(_UNSIGNED.shift))
+    value_bits = jnp.where(magnitude == 0, _u32(0), (magnitude + (word & _u32(_BASE_MASK))) << shift)
+    value = jax.lax.bitcast_convert_type(value_bits | jnp.where(signed, (codes >> 7) << 31, _u32(0)), jnp.float32)
+    value = jnp.where(signed, value, value * value)
+    value = jnp.where((word & _u32(_TAG_MASK)) == _u32(_TAG), value, jnp.float32(jnp.nan))
+    return value.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def int8_codes(state: Any) -> list[bool]:
+    """Per leaf of ``state`` (arrays or shape-dtype structs), whether it holds a :class:`QuantizedState`'s int8 codes."""
+
+    def marks(node: Any) -> Any:
+        coded = isinstance(node, QuantizedState)
+        return jax.tree.map(lambda leaf: coded and np.dtype(leaf.dtype) == np.uint8, node)
+
+    return jax.tree.leaves(jax.tree.map(marks, state, is_leaf=lambda node: isinstance(node, QuantizedState)))
+
+
+def check_int8_format(packed: np.ndarray, what: str) -> None:
+    """Refuses int8 codes (a host array of :func:`quantize_int8`'s layout) whose block words are not this format's.
+
+    Raises:
+      OffloadError: naming ``what``, for codes of the old format (dynamic map, float32 scales).
+    """
+    n = _unpacked_width(packed.shape[-1])
+    words = np.ascontiguousarray(packed[..., n:]).view(np.uint32)
+    if np.any(words & _u32(_TAG_MASK) != _u32(_TAG)):
+        raise OffloadError(
+            f"{what} holds int8 state codes of an older format than this version's (format {INT8_FORMAT}: block "
+            "floating point), which it cannot read: restore the params alone and start the optimizer state anew, "
+            "or keep the jax_mlp version that wrote them for that run"
+        )
 
 
 _CODE_DTYPES = {np.dtype(np.uint8): "int8", np.dtype(np.uint16): "bf16"}
@@ -273,8 +308,8 @@ def quantized_state(
 
     Args:
       inner: an optax transformation, typically adam-like (the state of each param leaf has its shape).
-      codec: ``"bf16"`` (round to nearest even) or ``"int8"`` (blocks of 256 along the last axis,
-        dynamic map, ``sqrt`` for non-negative blocks).
+      codec: ``"bf16"`` (round to nearest even) or ``"int8"`` (blocks of 256 along the last axis in
+        block floating point, ``sqrt`` for non-negative blocks).
       stochastic: with ``"bf16"``, round stochastically, reproducibly (random bits from a hash of
         the bits kept, the column, the step and the leaf's path, not a PRNG).
 
@@ -303,18 +338,9 @@ def quantized_state(
         state = jax.lax.optimization_barrier(state)
         return QuantizedState(count, compress(state, codec, count, stochastic=stochastic))
 
-    def encode(new_inner: Any, count: jax.Array) -> Any:
-        return compress(new_inner, codec, count, stochastic=stochastic)
-
     def update(updates: Any, state: QuantizedState, params: Any = None, **extra_args: Any) -> tuple:
         count = optax.safe_increment(state.count)
         updates, new_inner = inner.update(updates, decompress(state.inner), params, **extra_args)
-        if codec == "int8" and jax.default_backend() == "cpu":
-            # Encoded in a branch of its own (both branches alike): XLA then encodes the stored new state in
-            # vectorised loops, where fused with the update it recomputed the update inside the scalar loop
-            # of the encoding's lookup, at 2-3x the update's cost. On accelerators the lookup is cheap and a
-            # conditional costs a synchronisation, so there the encoding stays fused.
-            return updates, QuantizedState(count, jax.lax.cond(count > 0, encode, encode, new_inner, count))
-        return updates, QuantizedState(count, encode(new_inner, count))
+        return updates, QuantizedState(count, compress(new_inner, codec, count, stochastic=stochastic))
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -17,11 +17,12 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jax_mlp import peers
+from jax_mlp import peers, quantized
 from jax_mlp.engine import Engine
 from jax_mlp.errors import OffloadError, RecordError
 from jax_mlp.partition import Plan, treedef_paths
 from jax_mlp.storage.paths import PathStore
+from jax_mlp.storage.record import RecordLayout
 
 RUN_FORMAT = 1
 
@@ -64,6 +65,7 @@ def run_identity(plan: Plan, subgroup_size: int) -> dict:
     """What ``run.json`` records of a run: enough to refuse another run's directory and say what differs."""
     return {
         "format": RUN_FORMAT,
+        "int8_format": quantized.INT8_FORMAT,
         "layout_hash": plan.layout_hash.hex(),
         "num_subgroups": len(plan.subgroups),
         "state_bytes": plan.state_nbytes,
@@ -150,6 +152,8 @@ def check_paths(paths: Sequence[PathStore], plan: Plan, subgroup_size: int, *, i
             )
             differs = _what_differs(identity, plan, subgroup_size)
             raise RecordError(f"path {root} holds state of another run or subgroup layout ({differs}); {remedy}")
+        if intent == "resume":
+            _check_int8_format(root, identity, plan)
         if intent == "init":
             step = newest_step(paths, plan)
             held = "" if step is None else f" (its newest record is of step {step})"
@@ -165,6 +169,29 @@ def check_paths(paths: Sequence[PathStore], plan: Plan, subgroup_size: int, *, i
         )
     if intent == "restore" and any(found.values()):
         _discard(paths, plan, [root for root, identity in found.items() if identity is not None])
+
+
+def _check_int8_format(root: str, identity: dict, plan: Plan) -> None:
+    """Refuses to resume records whose uint8 state fields (int8 codes) are of another codec format.
+
+    A ``run.json`` without ``int8_format`` was written with format 1 (the dynamic map): its codes have the
+    same shapes, so the layout hash cannot tell them apart.
+    """
+    held = identity.get("int8_format", 1)
+    coded = any(
+        any(quantized.int8_codes(jax.tree_util.tree_unflatten(sg.layout.state_treedef, _structs(sg.layout))))
+        for sg in plan.subgroups
+    )
+    if coded and held != quantized.INT8_FORMAT:
+        raise OffloadError(
+            f"path {root} holds a run whose int8 state codes are of format {held}, and this version reads format "
+            f"{quantized.INT8_FORMAT} only (block floating point): resume that run with the jax_mlp version that "
+            "wrote it, or start a new run (without resume) on an empty directory, restoring the params alone"
+        )
+
+
+def _structs(layout: RecordLayout) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(field.shape, field.dtype) for field in layout.state_fields]
 
 
 def _discard(paths: Sequence[PathStore], plan: Plan, held: list[str]) -> None:

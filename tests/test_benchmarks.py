@@ -127,8 +127,9 @@ def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
     assert json.loads((tmp_path / "codecs.json").read_text()) == result
     assert set(result["nu_maps"]) == set(bench.NU_MAPS)
     assert set(result["final_loss"]) == {"fp32", "bf16", "int8", "bf16 stochastic"}
-    ours = result["nu_maps"]["dynamic map of sqrt (quantized_state)"]
+    ours = result["nu_maps"]["block float of sqrt, 4 fraction bits (quantized_state)"]
     assert ours["nu_zeroed_share"] == 0 and ours["update_rel_l2_err"] < 0.05
+    assert ours["nu_rel_err_p99"] < result["nu_maps"]["block float of sqrt, 3 fraction bits"]["nu_rel_err_p99"]
 
 
 def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path, monkeypatch):

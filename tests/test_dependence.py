@@ -264,7 +264,7 @@ def test_a_whole_leaf_cut_into_shards_is_refused_and_a_replicated_one_kept():
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_compressed_state_stays_row_wise_so_its_leaves_may_be_row_split(codec):
-    # int8 decodes through a lookup in a constant table (a gather): rows follow the codes.
+    # int8 reduces each block along the last axis and broadcasts its word back: rows stay rows.
     wide = {"w": jax.ShapeDtypeStruct((8, 512), np.float32), "b": jax.ShapeDtypeStruct((512,), np.float32)}
     check = check_optimizer(jax_mlp.quantized_state(optax.adam(1e-3), codec), wide, None)
     assert check.whole_leaves == frozenset()
