@@ -151,18 +151,17 @@ class PathEstimate:
     def surprise(self, usage: Usage) -> dict[str, float]:
         """Each direction's busy time in ``usage`` over what the estimate predicts for its bytes.
 
-        1 where the direction was idle, is not yet measured, or where a burst explains it: slower
-        with more bytes than the last update, or faster with fewer (a burst lets a smaller load
-        through relatively faster).
+        1 where the direction was idle, is not yet measured, or where its load differs from the last
+        update's by more than ``DISTINCT_LOADS``: a throttle's bursts make a new load's busy time
+        hard to predict either way (a lighter load pauses more, and each pause lets a burst through),
+        so only a path that moved the same load differently has changed.
         """
         off = {}
         for kind, nbytes, busy in _directions(usage):
             samples = self.samples[kind]
             ratio = busy / self.expected(kind, nbytes) if self.measured(kind) and nbytes and busy > 0 else 1.0
             last = samples[-1][0] if samples else nbytes
-            if nbytes > (1 + DISTINCT_LOADS) * last if ratio > 1 else nbytes < (1 - DISTINCT_LOADS) * last:
-                ratio = 1.0
-            off[kind] = ratio
+            off[kind] = 1.0 if abs(nbytes - last) > DISTINCT_LOADS * max(nbytes, last) else ratio
         return off
 
     def add(self, usage: Usage, off: dict[str, float] | None = None) -> None:
@@ -397,7 +396,6 @@ class Scheduler:
         if changed:
             self._settled.clear()
             self._flows.clear()
-            self._trial = None
         if not self.rebalance or not self._measured(loads):
             return
         if measured is not None and not changed and self.updates - self._last_move > 1:  # not a moving update
@@ -421,7 +419,9 @@ class Scheduler:
         gain = now - loads.seconds(speeds, placement, placement)
         moving = loads.seconds(speeds, self.placement, placement) - now  # reads still from the old paths
         if gain > MIN_GAIN * now and gain > moving:
-            if self._trial is None and self._settled:  # moves in a row are judged together, against the first's
+            if changed:  # the updates before a change say nothing of the split after it
+                self._trial = None
+            elif self._trial is None and self._settled:  # moves in a row are judged together, against the first's
                 self._trial = Trial(self.placement, self.shares, statistics.median(m.seconds for m in self._settled))
             self._move(shares, placement)
         elif len(self._settled) == WINDOW:
