@@ -21,9 +21,8 @@
   than it is (it lets a burst through after each pause), so the path that gave records away looks
   fast and would get them back, update after update. Moves are on trial: if the two settled
   updates after them measure more than a tenth slower than the ones before, they are undone, and
-  nothing moves until a path changes. A
-  moved subgroup is written to its new path at its next write-back, which happens every step anyway:
-  a move costs no extra bytes.
+  nothing moves until a path changes. A moved subgroup is written to its new path at its next
+  write-back, which happens every step anyway: a move costs no extra bytes.
 * **Fallback.** Once the placement has settled, if the measured updates are slower than the model
   predicts for the fastest path alone (paths that interfere, a model that misses something), every
   subgroup moves to that path and rebalancing stops: multi-path is never worse than one path.
@@ -55,6 +54,8 @@ CHANGE = 1.5
 """How far off the estimate's busy time an update must be, twice in a row, to count as a change of the path."""
 SUDDEN = 2.0
 """How far off it must be to count as a change at once."""
+SIGNIFICANT = 0.5
+"""Of the update's longest busy time, what a direction must take (measured or predicted) for its surprise to count."""
 _ROUNDINGS = (round, math.floor, math.ceil)
 
 
@@ -498,10 +499,6 @@ class Scheduler:
         return bool(kinds) and all(estimate.measured(kind) for estimate in self.estimates for kind in kinds)
 
 
-SIGNIFICANT = 0.5
-"""Of the update's longest busy time, what a direction must take (measured or predicted) for its surprise to count."""
-
-
 def _significant(offs: Sequence[dict[str, float]], usages: Sequence[Usage]) -> list[dict[str, float]]:
     """Each path's surprises, without those of directions too lightly loaded to matter.
 
@@ -510,7 +507,7 @@ def _significant(offs: Sequence[dict[str, float]], usages: Sequence[Usage]) -> l
     took, and was expected to take, under ``SIGNIFICANT`` of the longest busy time of the update
     does not decide it: its surprise counts as none.
     """
-    busy = [dict((kind, seconds) for kind, _, seconds in _directions(usage)) for usage in usages]
+    busy = [{kind: seconds for kind, _, seconds in _directions(usage)} for usage in usages]
     longest = max((seconds for directions in busy for seconds in directions.values()), default=0.0)
     return [
         {

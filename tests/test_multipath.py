@@ -302,21 +302,17 @@ def test_records_go_back_the_way_they_came_only_after_a_path_changes():
     """A throttle makes the path that gave records away look faster than it is (less load, more pauses, more
     bursts): within its noise, that must not send them back, which is how the placement swung on real devices."""
     scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
-
-    def observe(per_record: tuple[float, float]) -> None:
-        observe_paths(scheduler, per_record)
-
     for _ in range(6):
-        observe((0.1, 0.4))
+        observe_paths(scheduler, (0.1, 0.4))
     on_slow = scheduler.placement.count(1)
     assert on_slow < RECORDS // 2 and scheduler.moves == RECORDS // 2 - on_slow, "records left the slow path"
     for faster in (1.35, 1.35**2, 1.35**3):  # the slow path looks faster and faster, each time less than a change
         for _ in range(2 * WINDOW):
-            observe((0.1, 0.4 / faster))
+            observe_paths(scheduler, (0.1, 0.4 / faster))
             assert scheduler.last_moves == 0 and scheduler.placement.count(1) == on_slow
             assert not any(estimate.changed for estimate in scheduler.estimates)
     for _ in range(2):  # a change, the fast path SUDDEN times slower at once: now records go back
-        observe((0.1 * SUDDEN, 0.4 / 1.35**3))
+        observe_paths(scheduler, (0.1 * SUDDEN, 0.4 / 1.35**3))
     assert scheduler.placement.count(1) > on_slow
 
 
