@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from common import parse_with_smoke
 
 import jax_mlp
 from jax_mlp.storage import record
@@ -72,15 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = jax_mlp.OffloadConfig("/unused")  # the library's own depths: the benchmark measures the defaults
     parser.add_argument("--prefetch-depth", type=int, default=defaults.prefetch_depth)
     parser.add_argument("--write-depth", type=int, default=defaults.write_depth)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (for tests)")
     parser.add_argument("--before", default=None, help="an earlier efficiency.json to draw next to this run")
     parser.add_argument("--dir", default=None, help="the path under test (default: a temp dir inside --out)")
     parser.add_argument("--out", default="benchmarks/results", help="output folder for the JSON and PNG")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
-    return args
+    return parse_with_smoke(parser, argv, SMOKE)
 
 
 def make_params(state_bytes: int, leaf_bytes: int) -> dict:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import print_and_save
+from common import parse_with_smoke, print_and_save
 
 import jax_mlp
 from jax_mlp.config import parse_size
@@ -57,13 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--subgroup-size", default=None, help="subgroup_size (default: mlp_offload's)")
     parser.add_argument("--updates", type=int, default=3, help="measured updates (after one warm-up)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (for tests)")
     parser.add_argument("--out", default="benchmarks/results", help="output folder for the JSON")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
-    return args
+    return parse_with_smoke(parser, argv, SMOKE)
 
 
 def make_params(state_bytes: int, subgroup_bytes: int) -> dict:
