@@ -17,7 +17,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from jax_mlp import model, quantized
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mlp import model, quantized, remainders
 from jax_mlp.config import OffloadConfig, Path, format_bytes, parse_rate, parse_size
 from jax_mlp.errors import OffloadError
 from jax_mlp.model import PathSpeed
@@ -33,10 +36,8 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(OffloadCon
 PROBE_SIZE, PROBE_RECORD, PROBE_INFLIGHT = "256MiB", "16MiB", 4
 """What ``jax-mlp probe`` moves per path, in records of what size, how many in flight; ``plan`` probes alike."""
 MASTER_BYTES = 4
-"""Bytes per param of the fp32 master copy (``--master``) when stored whole."""
-REMAINDER_BYTES = 2
-"""Bytes per param of an fp32 master of bf16 params stored as its remainder (``--master-storage remainder``)."""
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per param of the fp32 master copy (``--master``), and of its update."""
+_DTYPES = {"bf16": np.dtype(jnp.bfloat16), "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 _COUNT_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
@@ -245,10 +246,10 @@ def _param_dtype(args: argparse.Namespace) -> str:
 
 
 def _stored_master_bytes(args: argparse.Namespace) -> int:
-    """Bytes per param of the master in the records: none, its int16 remainder (bf16 params), or whole."""
+    """Bytes per param of the master in the records: none, or as ``mlp_offload`` stores it (a remainder or whole)."""
     if not args.master:
         return 0
-    return REMAINDER_BYTES if args.master_storage == "remainder" and _param_dtype(args) == "bf16" else MASTER_BYTES
+    return remainders.stored_master_dtype(_DTYPES[_param_dtype(args)], np.float32, args.master_storage).itemsize
 
 
 def _workload(args: argparse.Namespace) -> model.Workload:
@@ -263,7 +264,7 @@ def _workload(args: argparse.Namespace) -> model.Workload:
     subgroup = parse_size(args.subgroup_size, name="--subgroup-size")
     if subgroup <= 0:
         raise UsageError("--subgroup-size must be positive")
-    param_bytes = _DTYPE_BYTES[_param_dtype(args)]
+    param_bytes = _DTYPES[_param_dtype(args)].itemsize
     return model.Workload(
         params=parse_count(args.params, "--params"),
         param_bytes=param_bytes,
@@ -594,7 +595,7 @@ COMMANDS: tuple[Command, ...] = (
             ),
             argument(
                 "--param-dtype",
-                choices=tuple(_DTYPE_BYTES),
+                choices=tuple(_DTYPES),
                 default=None,
                 help="the params' (and grads') dtype on the device (default: bf16 with --master, else fp32)",
             ),
