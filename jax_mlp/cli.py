@@ -583,7 +583,7 @@ COMMANDS: tuple[Command, ...] = (
                 choices=("none", *quantized.CODECS),
                 default="none",
                 help="the state as jax_mlp.quantized_state keeps it: bf16 halves it, int8 quarters it (plus a "
-                "4-byte scale per 256 values) (default: %(default)s)",
+                "4-byte block word per 256 values) (default: %(default)s)",
             ),
             argument("--master", action="store_true", help="also offload an fp32 master copy"),
             argument(
