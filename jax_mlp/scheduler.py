@@ -346,7 +346,6 @@ class Scheduler:
         self._moved_at = [-HOLD] * len(self.record_bytes)
         self._flows: set[tuple[int, int]] = set()  # (from, to) paths records moved along since the last change
         self._trial: Trial | None = None
-        self._last_move = -HOLD
         self._settled: collections.deque[Measured] = collections.deque(maxlen=WINDOW)
 
     @property
@@ -399,7 +398,7 @@ class Scheduler:
             self._flows.clear()
         if not self.rebalance or not self._measured(loads):
             return
-        if measured is not None and not changed and self.updates - self._last_move > 1:  # not a moving update
+        if measured is not None and not changed and self.updates - max(self._moved_at) > 1:  # not a moving update
             self._settled.append(measured)
         if self._trial is not None and self._judge(self._trial):
             return
@@ -475,7 +474,6 @@ class Scheduler:
         for k in moved:
             self._moved_at[k] = self.updates
             self._flows.add((self.placement[k], placement[k]))
-        self._last_move = self.updates
         self.last_moves = len(moved)
         self.moves += len(moved)
         self.shares, self.placement = shares, placement
