@@ -326,7 +326,7 @@ MEMORY_CHILD = textwrap.dedent(
 
     n = 32 * 1024**2  # 32M float32 params: 128 MiB; adam state: 256 MiB
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32)}
-    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], subgroup_size="8MiB")
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], subgroup_size="4MiB")
     rises = update_rises(tx, params)
     config = tx.offloader.config
     print(json.dumps({"rises": rises, "state_bytes": tx.offloader.plan.state_nbytes,
@@ -339,7 +339,8 @@ MEMORY_CHILD = textwrap.dedent(
 
 def test_peak_rss_of_an_update_on_a_store_is_bounded_by_records_in_flight(gcs):
     """Host memory of an update on GCS: the records in flight (each held by the engine and copied once by
-    tensorstore's HTTP requests), never the state; the updates (the params' size) come on top."""
+    tensorstore's HTTP requests), never the state; the updates (the params' size) come on top. 4 MiB records
+    keep all that can be in flight under half the state, so the one bound shows both."""
     env = {**os.environ, **gcs.environ()}
     result = subprocess.run(
         [sys.executable, "-c", MEMORY_CHILD, "gs://gbkt/memory", str(TESTS)],
@@ -354,9 +355,9 @@ def test_peak_rss_of_an_update_on_a_store_is_bounded_by_records_in_flight(gcs):
     in_flight = 2 * figures["depths"] * figures["record_bytes"]
     print(figures, "bound:", params_bytes + in_flight)
     assert figures["state_bytes"] >= 2 * params_bytes
+    assert in_flight < figures["state_bytes"] / 2, "records this large could not tell the state from the records"
     for rise in figures["rises"][1:]:
         assert rise < params_bytes + in_flight, figures
-        assert rise < params_bytes + figures["state_bytes"] / 2, figures
 
 
 def test_s3_keys_in_the_environment_are_used_without_the_sdk_logging_missing_aws_files(s3, capfd):
