@@ -51,9 +51,8 @@ HOLD = 4
 DISTINCT_LOADS = 0.2
 """How much two updates' bytes on a path must differ for the pair to tell its rate from its burst."""
 CHANGE = 1.5
-"""How far off the estimate's busy time an update must be, twice in a row, to count as a change of the path."""
-SUDDEN = 2.0
-"""How far off it must be to count as a change at once."""
+"""How far outside the times the window saw for the same load an update must be, twice in a row in the same
+sense, to count as a change of the path."""
 SIGNIFICANT = 0.5
 """Of the update's longest busy time, what a direction must take (measured or predicted) for its surprise to count."""
 _ROUNDINGS = (round, math.floor, math.ceil)
@@ -150,19 +149,20 @@ class PathEstimate:
         self.changed = False
 
     def surprise(self, usage: Usage) -> dict[str, float]:
-        """Each direction's busy time in ``usage`` over what the estimate predicts for its bytes.
+        """How far each direction's time per byte in ``usage`` falls outside the range of the window's.
 
-        1 where the direction was idle, is not yet measured, or where its load differs from the last
-        update's by more than ``DISTINCT_LOADS``: a throttle's bursts make a new load's busy time
-        hard to predict either way (a lighter load pauses more, and each pause lets a burst through),
-        so only a path that moved the same load differently has changed.
+        Compared only with the window's updates of about the same load (within ``DISTINCT_LOADS``), and
+        only with their range, not the fit: a throttle lets a lightly loaded path through in bursts
+        (a slice of its rate after each pause), so the same load takes one time or several times that,
+        as the bursts fall. A path has changed when it moves a load outside all it did before. The
+        update that may have begun a change is left out of the range the next one is held to.
+        1 within the range, where the direction was idle, is not yet measured, or has no such load.
         """
         off = {}
         for kind, nbytes, busy in _directions(usage):
-            samples = self.samples[kind]
-            ratio = busy / self.expected(kind, nbytes) if self.measured(kind) and nbytes and busy > 0 else 1.0
-            last = samples[-1][0] if samples else nbytes
-            off[kind] = 1.0 if abs(nbytes - last) > DISTINCT_LOADS * max(nbytes, last) else ratio
+            window = list(self.samples[kind])[: -1 if _far(self.off[kind]) >= CHANGE else None]  # not a change's first
+            seen = [t / b for b, t in window if abs(nbytes - b) <= DISTINCT_LOADS * max(nbytes, b)]
+            off[kind] = _outside(busy / nbytes, seen) if busy > 0 and len(seen) >= MIN_SAMPLES else 1.0
         return off
 
     def add(self, usage: Usage, off: dict[str, float] | None = None) -> None:
@@ -185,17 +185,19 @@ class PathEstimate:
     def _take(self, kind: str, nbytes: int, busy: float, off: float) -> None:
         """Adds one direction's sample; if the path changed, keeps only the samples since.
 
-        A change is a busy time ``SUDDEN`` times off the estimate's, or ``CHANGE`` times off in the
-        same sense twice in a row (``off``, see :meth:`surprise`). A change replaces the window, so
-        the split follows the path at once instead of waiting for the medians.
+        A change is a time per byte ``CHANGE`` times outside the window's range, in the same sense twice
+        in a row (``off``, see :meth:`surprise`). One update is never enough, however far off: a throttle
+        that lets a burst through or not, as the pauses fall, swings one update's time several times
+        either way. A change replaces the window, so the split follows the path at once instead of
+        waiting for the medians.
         """
         samples = self.samples[kind]
         before = self.off[kind]
         again = _far(before) >= CHANGE and _far(off) >= CHANGE and (before - 1) * (off - 1) > 0
-        if again or _far(off) >= SUDDEN:
-            kept = [samples[-1]] if again else []  # the first update of the change already saw it
+        if again:
+            kept = samples[-1]  # the first update of the change already saw it
             samples.clear()
-            samples.extend(kept)
+            samples.append(kept)
             self.since_change[kind] = self.changed = True
             off = 1.0
         self.off[kind] = off
@@ -233,6 +235,11 @@ class PathEstimate:
 def _directions(usage: Usage) -> tuple[tuple[str, int, float], ...]:
     """``(kind, bytes, busy seconds)`` of the read and the write direction of ``usage``."""
     return ("read", usage.bytes_read, usage.read_busy_seconds), ("write", usage.bytes_written, usage.write_busy_seconds)
+
+
+def _outside(value: float, seen: Sequence[float]) -> float:
+    """``value`` over the largest of ``seen`` if above it, over the smallest if below it, else 1."""
+    return value / max(seen) if value > max(seen) else value / min(seen) if value < min(seen) else 1.0
 
 
 def _far(ratio: float) -> float:

@@ -85,9 +85,10 @@ def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_an
         tx.close(delete=True)
     records = len(placements[0])
     assert sum(moves) > 0, "the equal starting split does not fit paths 4 times apart"
-    # Updates of 0.2 s on a shared machine: a change now and then (detected, or measured by a trial) still moves a
-    # few, and the undoing of a move counts as moves too. Thrashing moved 43-55 in the last 5 updates here.
-    assert sum(moves[-5:]) <= records // 8 and not scheduler.fallback, f"settled before the last 5 updates: {moves}"
+    # Updates of 0.2 s on a shared machine: a throttle's bursts can stay away for a few updates in a row, which looks
+    # like a change of the path and moves a few records (2-5 in the last 5 updates, in about 1 run in 20). Thrashing
+    # moved 43-55 in the last 5 updates here.
+    assert sum(moves[-5:]) <= records // 4 and not scheduler.fallback, f"settled before the last 5 updates: {moves}"
     assert sum(moves) <= records, f"no more moves in all than subgroups: {moves}"
     for k in range(records):
         visited = [placement[k] for placement in placements]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from typing import NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 import jax_mlp
 from jax_mlp import report
 from jax_mlp.model import PathSpeed
-from jax_mlp.scheduler import HOLD, SUDDEN, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
+from jax_mlp.scheduler import HOLD, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
 from jax_mlp.storage.traffic import Traffic, Usage
 
 MB = 1e6
@@ -56,10 +57,17 @@ class Simulation:
     the devices let a burst through.
     """
 
-    def __init__(self, scheduler: Scheduler, paths: tuple[Device, ...], slowdown: float = 1.0):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        paths: tuple[Device, ...],
+        slowdown: float = 1.0,
+        fickle: random.Random | None = None,
+    ):
         self.scheduler = scheduler
         self.paths = paths
         self.slowdown = slowdown  # the measured update over the paths' busy time: what the model does not see
+        self.fickle = fickle  # if given, each path's burst comes in half the updates, at random
         self.stored = list(scheduler.placement)
         self.idle_writes = [0.0] * len(paths)
         self.step = 0
@@ -76,6 +84,8 @@ class Simulation:
             write[placement[k]] += RECORD
         usages, seconds = [], 0.0
         for i, device in enumerate(self.paths):
+            if self.fickle is not None and self.fickle.random() < 0.5:
+                device = device._replace(speedup=1.0)
             reading = device.seconds(read[i], device.read_rate)
             writing = device.seconds(write[i], device.write_rate)
             idle = self.idle_writes[i] / device.write_rate
@@ -134,6 +144,32 @@ def test_placement_converges_without_moving_back_on_full_duplex_bursty_devices(p
     share = scheduler.placement.count(0) / RECORDS
     assert abs(share - best_share) <= 0.1 * max(best_share, 1 - best_share), (share, best_share)
     assert sum(times[-6:]) / 6 <= 1.1 * best_seconds
+
+
+def test_bursts_that_come_or_not_at_random_are_rarely_taken_for_a_change():
+    """A kernel throttle lets a burst through or not as the pauses fall, so a lightly loaded path moves the same load
+    in one time or several times it, from one update to the next. Taken for a change of the path, such updates
+    moved records, back and forth (the flaky real-device test). Over 40 runs of random bursts: main's scheduler
+    saw 2.9 changes a run and moved a subgroup up to 4 times; a change must now be seen twice in a row, outside
+    all the window saw for that load."""
+    changes, late_moves = [], []
+    for seed in range(40):
+        scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+        simulation = Simulation(scheduler, (KERNEL_NVME, KERNEL_PFS), fickle=random.Random(seed))
+        history, moves, changed = [list(scheduler.placement)], [], 0
+        for _ in range(24):
+            simulation.update()
+            moves.append(scheduler.last_moves)
+            history.append(list(scheduler.placement))
+            changed += any(estimate.changed for estimate in scheduler.estimates)
+        assert sum(moves) > 0 and not scheduler.fallback, (seed, moves)
+        for k in range(RECORDS):
+            visited = [placement[k] for placement in history]
+            assert sum(a != b for a, b in itertools.pairwise(visited)) <= 2, f"seed {seed}: subgroup {k}: {visited}"
+        changes.append(changed)
+        late_moves.append(sum(moves[8:]))
+    assert sum(changes) / len(changes) <= 0.5, f"changes seen per run: {changes}"
+    assert max(late_moves) <= RECORDS // 4, f"moves after the 8th update, per run: {late_moves}"
 
 
 def test_paths_slower_together_than_the_fastest_alone_fall_back_to_it():
@@ -211,7 +247,7 @@ def test_a_cap_cut_mid_run_is_followed_within_3_updates_and_then_settles(pair, c
     cut_pair = (fast, slow._replace(read_rate=slow.read_rate / cut, write_rate=slow.write_rate / cut))
     _, best = best_update(cut_pair)
     times, placements = follow(simulation, cut_pair, 10)
-    moved_by = 1 if cut >= SUDDEN else 2  # a smaller change waits for a second update to confirm it
+    moved_by = 2  # however large, a change waits for a second update to confirm it
     assert placements[moved_by - 1] == placements[-1], f"the new split is taken after update {moved_by}"
     # the update after the move still reads the moved records from the path they leave
     assert all(t <= 1.15 * best for t in times[moved_by + 1 :]), f"then within 15% of the best split: {times}, {best}"
@@ -234,9 +270,10 @@ def test_contention_on_the_slow_path_is_followed_and_undone_within_3_updates(pai
     _, best_alone = best_update(pair)
     during, _ = follow(simulation, shared, 6)
     assert scheduler.placement.count(1) < before.count(1), "subgroups left the contended path"
-    assert all(t <= 1.15 * best_shared for t in during[2:]), (during, best_shared)
+    # a change takes two updates to confirm, and the update after the move reads the moved records from the old path
+    assert all(t <= 1.15 * best_shared for t in during[3:]), (during, best_shared)
     after, placements = follow(simulation, pair, 8)
-    assert all(t <= 1.15 * best_alone for t in after[2:]), (after, best_alone)
+    assert all(t <= 1.15 * best_alone for t in after[3:]), (after, best_alone)
     assert all(a == b for a, b in itertools.pairwise(placements[3:])), "settled again from the 4th update on"
     share = scheduler.placement.count(0) / RECORDS
     assert abs(share - before.count(0) / RECORDS) <= 0.1, "back to about the split before the contention"
@@ -311,8 +348,8 @@ def test_records_go_back_the_way_they_came_only_after_a_path_changes():
             observe_paths(scheduler, (0.1, 0.4 / faster))
             assert scheduler.last_moves == 0 and scheduler.placement.count(1) == on_slow
             assert not any(estimate.changed for estimate in scheduler.estimates)
-    for _ in range(2):  # a change, the fast path SUDDEN times slower at once: now records go back
-        observe_paths(scheduler, (0.1 * SUDDEN, 0.4 / 1.35**3))
+    for _ in range(2):  # a change, the fast path twice as slow twice in a row: now records go back
+        observe_paths(scheduler, (0.2, 0.4 / 1.35**3))
     assert scheduler.placement.count(1) > on_slow
 
 
@@ -333,5 +370,6 @@ def test_moves_that_make_the_measured_update_slower_are_undone_and_nothing_moves
     for _ in range(2 * WINDOW):
         observe_paths(scheduler, (0.1, 0.4), Measured(1.0, 1.0))
         assert scheduler.last_moves == 0 and not scheduler.fallback, "and nothing moves while nothing changes"
-    observe_paths(scheduler, (0.1, 0.4 * SUDDEN), Measured(2.0, 2.0))  # the slow path changes
+    for _ in range(2):  # the slow path changes: twice as slow, twice in a row
+        observe_paths(scheduler, (0.1, 0.8), Measured(2.0, 2.0))
     assert scheduler.last_moves > 0
