@@ -156,13 +156,14 @@ class PathEstimate:
         (a slice of its rate after each pause), so the same load takes one time or several times that,
         as the bursts fall. A path has changed when it moves a load outside all it did before. The
         update that may have begun a change is left out of the range the next one is held to.
-        1 within the range, where the direction was idle, is not yet measured, or has no such load.
+        1 within the range, where the direction was idle, or where the window holds fewer than
+        ``MIN_SAMPLES`` updates of that load.
         """
         off = {}
         for kind, nbytes, busy in _directions(usage):
             window = list(self.samples[kind])[: -1 if _far(self.off[kind]) >= CHANGE else None]  # not a change's first
             seen = [t / b for b, t in window if abs(nbytes - b) <= DISTINCT_LOADS * max(nbytes, b)]
-            off[kind] = _outside(busy / nbytes, seen) if busy > 0 and len(seen) >= MIN_SAMPLES else 1.0
+            off[kind] = _outside(busy / nbytes, seen) if nbytes and busy > 0 and len(seen) >= MIN_SAMPLES else 1.0
         return off
 
     def add(self, usage: Usage, off: dict[str, float] | None = None) -> None:
@@ -205,14 +206,6 @@ class PathEstimate:
         if _slopes(list(samples)):
             rate, burst = _fit(samples)
             self.credit[kind] = burst / rate
-
-    def expected(self, kind: str, nbytes: float) -> float:
-        """The busy time the estimate gives ``kind`` for ``nbytes`` (at least a microsecond)."""
-        speed = self.speed
-        rate, burst = (
-            (speed.read_bandwidth, speed.read_burst) if kind == "read" else (speed.write_bandwidth, speed.write_burst)
-        )
-        return max(1e-6, (nbytes - burst) / rate)
 
     def measured(self, kind: str) -> bool:
         """Whether ``kind`` (read or write) has enough measurements to be trusted: one since a change."""
