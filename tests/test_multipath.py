@@ -149,9 +149,9 @@ def test_placement_converges_without_moving_back_on_full_duplex_bursty_devices(p
 def test_bursts_that_come_or_not_at_random_are_rarely_taken_for_a_change():
     """A kernel throttle lets a burst through or not as the pauses fall, so a lightly loaded path moves the same load
     in one time or several times it, from one update to the next. Taken for a change of the path, such updates
-    moved records, back and forth (the flaky real-device test). Over 40 runs of random bursts: main's scheduler
-    saw 2.9 changes a run and moved a subgroup up to 4 times; a change must now be seen twice in a row, outside
-    all the window saw for that load."""
+    moved records, back and forth (the flaky real-device test). Over 40 runs of random bursts, the scheduler that
+    took one update 2x off the fit for a change saw 2.9 changes a run and moved a subgroup up to 4 times; a change
+    must now be seen twice in a row, outside all the window saw for that load."""
     changes, late_moves = [], []
     for seed in range(40):
         scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
