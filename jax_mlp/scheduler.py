@@ -10,8 +10,9 @@
   (:class:`~jax_mlp.storage.traffic.Usage`). :class:`PathEstimate` fits each direction's rate and
   the burst a throttle lets through after idle time to the last updates, with medians, so one odd
   update does not move it and a lightly loaded path does not look fast; and it keeps how far the
-  two directions get in each other's way. From these the scheduler
-  predicts the next updates: the records the host cache serves are not read, and a moved record is
+  two directions get in each other's way. A path has changed (another job, a new cap) when two
+  updates in a row move a load 1.5× outside all the window saw for that load; then its window
+  starts again. From these the scheduler predicts the next updates: the records the host cache serves are not read, and a moved record is
   still read from its old path in the update that moves it. Until every rate is fitted across
   loads, a move goes halfway to the split it computes. It moves subgroups only when the
   predicted gain is above a tenth of the update and above the extra time of the moving update, and
