@@ -12,8 +12,9 @@
   update does not move it and a lightly loaded path does not look fast; and it keeps how far the
   two directions get in each other's way. A path has changed (another job, a new cap) when two
   updates in a row move a load 1.5× outside all the window saw for that load; then its window
-  starts again. From these the scheduler predicts the next updates: the records the host cache serves are not read, and a moved record is
-  still read from its old path in the update that moves it. Until every rate is fitted across
+  starts again. From these the scheduler predicts the next updates: the records the host cache
+  serves are not read, and a moved record is still read from its old path in the update that
+  moves it. Until every rate is fitted across
   loads, a move goes halfway to the split it computes. It moves subgroups only when the
   predicted gain is above a tenth of the update and above the extra time of the moving update, and
   a moved subgroup stays put for a few updates, so the placement settles instead of swinging.
@@ -163,7 +164,7 @@ class PathEstimate:
         off = {}
         for kind, nbytes, busy in _directions(usage):
             window = list(self.samples[kind])[: -1 if _far(self.off[kind]) >= CHANGE else None]  # not a change's first
-            seen = [t / b for b, t in window if abs(nbytes - b) <= DISTINCT_LOADS * max(nbytes, b)]
+            seen = [t / b for b, t in window if not _distinct(nbytes, b)]
             off[kind] = _outside(busy / nbytes, seen) if nbytes and busy > 0 and len(seen) >= MIN_SAMPLES else 1.0
         return off
 
@@ -236,6 +237,11 @@ def _outside(value: float, seen: Sequence[float]) -> float:
     return value / max(seen) if value > max(seen) else value / min(seen) if value < min(seen) else 1.0
 
 
+def _distinct(a: float, b: float) -> bool:
+    """Whether two loads (bytes) differ by more than ``DISTINCT_LOADS`` of the larger."""
+    return abs(a - b) > DISTINCT_LOADS * max(a, b)
+
+
 def _far(ratio: float) -> float:
     """How far a ratio is from 1, either way."""
     return max(ratio, 1 / ratio)
@@ -267,7 +273,7 @@ def _slopes(samples: Sequence[tuple[float, float]]) -> list[float]:
         (b2 - b1) / (t2 - t1)
         for i, (b1, t1) in enumerate(samples)
         for b2, t2 in samples[i + 1 :]
-        if abs(b2 - b1) > DISTINCT_LOADS * max(b1, b2) and (b2 - b1) * (t2 - t1) > 0
+        if _distinct(b1, b2) and (b2 - b1) * (t2 - t1) > 0
     ]
 
 
@@ -503,8 +509,9 @@ def _significant(offs: Sequence[dict[str, float]], usages: Sequence[Usage]) -> l
 
     A throttle lets a lightly loaded path through in bursts (a slice of its rate after each pause),
     so its busy time swings several times either way from one update to the next. A direction that
-    took, and was expected to take, under ``SIGNIFICANT`` of the longest busy time of the update
-    does not decide it: its surprise counts as none.
+    took under ``SIGNIFICANT`` of the longest busy time of the update, and would have under it at
+    the edge of what it did before (its time over its surprise), does not decide it: its surprise
+    counts as none.
     """
     busy = [{kind: seconds for kind, _, seconds in _directions(usage)} for usage in usages]
     longest = max((seconds for directions in busy for seconds in directions.values()), default=0.0)
