@@ -2,7 +2,7 @@
 
 One fast and one slow path are emulated on this machine's disk with bandwidth caps well below
 the raw disk (measured in the same run), with a host cache of about a quarter of the state. The
-variants of ``jax_mlp.model.ABLATION``, then the full scheduler with the state kept in bf16 and in
+variants of the performance model's ``ABLATION``, then the full scheduler with the state kept in bf16 and in
 int8 (``jax_mlp.quantized_state``), run in one process, interleaved iteration by iteration, so
 machine noise hits them alike. Between two updates of a variant the script sleeps ``--idle``
 seconds, standing in for forward and backward. A second experiment cuts the slow path's cap to a
@@ -54,13 +54,15 @@ import jax.numpy as jnp
 import optax
 
 import jax_mlp
-from jax_mlp import model, quantized
-from jax_mlp.config import OffloadConfig
-from jax_mlp.model import PathSpeed
-from jax_mlp.partition import Plan
-from jax_mlp.stats import UpdateStats
-from jax_mlp.storage.probe import probe
-from jax_mlp.storage.record import HEADER_SIZE
+from jax_mlp._src import quantized
+from jax_mlp._src.cli import sizing
+from jax_mlp._src.config import OffloadConfig
+from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.schedule import performance as model
+from jax_mlp._src.schedule.performance import PathSpeed
+from jax_mlp._src.stats import UpdateStats
+from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.record import HEADER_SIZE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -275,7 +277,7 @@ def predicted_records(row: Row, plan: Plan, subgroup_size: str) -> tuple[int, fl
         return len(plan.subgroups), mean_record_bytes(plan)
     # Sized as `jax-mlp plan --state-codec` sizes it: the exact state times the codec's stored fraction.
     exact_state = sum(sg.layout.nbytes for sg in plan.subgroups)
-    return model.records(exact_state * quantized.stored_fraction(row.codec), jax_mlp.parse_size(subgroup_size))
+    return sizing.records(exact_state * quantized.stored_fraction(row.codec), jax_mlp.parse_size(subgroup_size))
 
 
 def predict_row(

@@ -1,6 +1,6 @@
 """What the optimizer check costs at ``init``, on a transformer-shaped tree (shapes only, nothing allocated).
 
-For each optimizer it times :func:`jax_mlp.dependence.check_optimizer` (the first call, as ``init``
+For each optimizer it times :func:`jax_mlp.optimizer_check.check_optimizer` (the first call, as ``init``
 pays it, and the median of the repeats) and, in the same run, a fresh ``jax.make_jaxpr`` of
 ``inner.update`` on the same tree: the check's floor, since it must trace the update once.
 Writes ``check_cost.json``::
@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import optax
 
-from jax_mlp import dependence
-from jax_mlp.errors import OffloadError
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan import optimizer_check
 
 OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
@@ -70,7 +70,7 @@ def measure(name: str, params: Any, repeats: int) -> dict[str, Any]:
 
     def check() -> None:
         try:
-            outcome["whole_leaves"] = len(dependence.check_optimizer(inner, params, None).whole_leaves)
+            outcome["whole_leaves"] = len(optimizer_check.check_optimizer(inner, params, None).whole_leaves)
         except OffloadError as error:
             outcome["refused"] = type(error).__name__
 

@@ -29,7 +29,7 @@ from common import print_and_save
 from isal.isal_zlib import crc32 as isal_crc32
 
 import jax_mlp
-from jax_mlp.storage import record
+from jax_mlp._src.storage import record
 
 
 def _optional(module: str, attribute: str, *, read_only: bool = False) -> Callable[[np.ndarray], int] | None:

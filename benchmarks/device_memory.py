@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 import jax_mlp
-from jax_mlp.config import parse_size
+from jax_mlp._src.parsing import parse_size
 
 
 class LivePeakRise:

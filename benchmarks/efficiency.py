@@ -45,10 +45,10 @@ import optax
 from common import parse_with_smoke
 
 import jax_mlp
-from jax_mlp.storage import record
-from jax_mlp.storage.chunk_files import CHUNK_REQUESTS
-from jax_mlp.storage.probe import drop_page_cache
-from jax_mlp.storage.record import HEADER_SIZE, chunk_bytes
+from jax_mlp._src.storage import record
+from jax_mlp._src.storage.chunk_files import CHUNK_REQUESTS
+from jax_mlp._src.storage.probe import drop_page_cache
+from jax_mlp._src.storage.record import HEADER_SIZE, chunk_bytes
 
 ALIGN = 4096
 BUFFERED = "buffered + fsync + posix_fadvise(DONTNEED)"

@@ -40,9 +40,9 @@ import optax
 from common import parse_with_smoke, print_and_save
 
 import jax_mlp
-from jax_mlp.config import parse_size
-from jax_mlp.storage.kvstore import KvStoreBackend
-from jax_mlp.storage.record import new_record
+from jax_mlp._src.parsing import parse_size
+from jax_mlp._src.storage.kvstore import KvStoreBackend
+from jax_mlp._src.storage.record import new_record
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from object_stores import S3_KEYS, FakeGcs, MotoS3  # the servers the tests use

@@ -48,8 +48,6 @@ import psutil
 from offload_options import state_paths
 
 import jax_mlp
-from jax_mlp.partition import Plan
-from jax_mlp.stats import format_bytes
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master, mu and nu
 BATCH = 8
@@ -148,8 +146,8 @@ def _check_room(num_params: int, state_bytes: int, paths: list[str]) -> None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if device_bytes > 0.8 * available:
             raise SystemExit(
-                f"on a CPU backend the params, grads and updates ({format_bytes(device_bytes)}) live in host RAM, "
-                f"and only {format_bytes(available)} is free: choose a smaller --state, or run on an accelerator"
+                f"on a CPU backend the params, grads and updates ({jax_mlp.format_bytes(device_bytes)}) live in host RAM, "
+                f"and only {jax_mlp.format_bytes(available)} is free: choose a smaller --state, or run on an accelerator"
             )
     for path in paths:
         probe = path
@@ -158,7 +156,7 @@ def _check_room(num_params: int, state_bytes: int, paths: list[str]) -> None:
         free = shutil.disk_usage(probe).free
         if 2 * state_bytes > free:  # two slots per record: step t stays intact while t+1 is written
             raise SystemExit(
-                f"{path} has {format_bytes(free)} free; the state needs up to {format_bytes(2 * state_bytes)} "
+                f"{path} has {jax_mlp.format_bytes(free)} free; the state needs up to {jax_mlp.format_bytes(2 * state_bytes)} "
                 "(two slots per record): give more --paths or a smaller --state"
             )
 
@@ -224,7 +222,7 @@ def train(args: argparse.Namespace, sizes: Sizes, paths: list[str], *, temporary
             losses.append(float(value))
             print(
                 f"step {step + 1}: loss {losses[-1]:.5f}, update {offload.stats.seconds:.2f} s, "
-                f"peak RSS {format_bytes((warmup if step == 0 else steady).peak)}"
+                f"peak RSS {jax_mlp.format_bytes((warmup if step == 0 else steady).peak)}"
             )
         plan = offload.offloader.plan
         return Measured(rss_before, warmup.peak, steady.peak or warmup.peak, losses, plan.state_nbytes, offload.stats)
@@ -243,12 +241,12 @@ def make_offload(args: argparse.Namespace, paths: list[str], host_cache: int) ->
     )
 
 
-def print_setup(args: argparse.Namespace, sizes: Sizes, plan: Plan, num_paths: int, *, tuned: bool) -> None:
+def print_setup(args: argparse.Namespace, sizes: Sizes, plan: jax_mlp.Plan, num_paths: int, *, tuned: bool) -> None:
     """Prints the model, the state and where it lives, and whether glibc's mmap threshold was set."""
     print(
         f"{sizes.num_layers} layers of {args.width}×{args.width}: {sizes.num_params:,} bfloat16 params "
-        f"({format_bytes(2 * sizes.num_params)}); AdamW state with fp32 master {format_bytes(plan.state_nbytes)} "
-        f"in {len(plan.subgroups)} subgroups on {num_paths} path(s), host cache {format_bytes(sizes.host_cache)}; "
+        f"({jax_mlp.format_bytes(2 * sizes.num_params)}); AdamW state with fp32 master {jax_mlp.format_bytes(plan.state_nbytes)} "
+        f"in {len(plan.subgroups)} subgroups on {num_paths} path(s), host cache {jax_mlp.format_bytes(sizes.host_cache)}; "
         f"glibc mmap threshold {args.malloc_mmap_threshold if tuned else 'left at its default'}"
     )
 
@@ -260,18 +258,22 @@ def report(measured: Measured, sizes: Sizes) -> dict[str, Any]:
     offloader_rss = measured.peak - measured.rss_before - updates_bytes
     print()
     print(
-        f"optimizer state            {format_bytes(state_bytes):>10}  ({state_bytes / host_cache:.1f}× the host cache)"
-    )
-    print(f"RSS before init            {format_bytes(measured.rss_before):>10}  (Python, jax, params and grads)")
-    print(
-        f"peak RSS, init + update 1  {format_bytes(measured.warmup_peak):>10}  (includes compiling the subgroup updates)"
+        f"optimizer state            {jax_mlp.format_bytes(state_bytes):>10}  ({state_bytes / host_cache:.1f}× the host cache)"
     )
     print(
-        f"peak RSS, later updates    {format_bytes(measured.peak):>10}  ({measured.peak / state_bytes:.2f}× the state)"
+        f"RSS before init            {jax_mlp.format_bytes(measured.rss_before):>10}  (Python, jax, params and grads)"
     )
-    print(f"  updates                  {format_bytes(updates_bytes):>10}  (returned by update, as with plain optax)")
     print(
-        f"  offloader                {format_bytes(offloader_rss):>10}  ({offloader_rss / state_bytes:.2f}× the state; "
+        f"peak RSS, init + update 1  {jax_mlp.format_bytes(measured.warmup_peak):>10}  (includes compiling the subgroup updates)"
+    )
+    print(
+        f"peak RSS, later updates    {jax_mlp.format_bytes(measured.peak):>10}  ({measured.peak / state_bytes:.2f}× the state)"
+    )
+    print(
+        f"  updates                  {jax_mlp.format_bytes(updates_bytes):>10}  (returned by update, as with plain optax)"
+    )
+    print(
+        f"  offloader                {jax_mlp.format_bytes(offloader_rss):>10}  ({offloader_rss / state_bytes:.2f}× the state; "
         f"the host cache is {host_cache / state_bytes:.2f}×)"
     )
     print(measured.stats.summary())

@@ -46,7 +46,6 @@ from offload_options import add_offload_arguments, add_state_codec_argument, sta
 from tqdm import tqdm
 
 import jax_mlp
-from jax_mlp.partition import Plan
 
 REQUIRED_IMPROVEMENT = 0.30
 TOLERANCE = 1e-5  # the exactness contract: max|Δ| / max|p| per leaf, against plain optax
@@ -410,7 +409,7 @@ class Offloaded(NamedTuple):
 
     run: Run
     stats: jax_mlp.UpdateStats
-    plan: Plan
+    plan: jax_mlp.Plan
 
 
 def train_offloaded(args: argparse.Namespace, tokens: np.ndarray) -> Offloaded:
@@ -436,7 +435,7 @@ def print_summary(args: argparse.Namespace, corpus_chars: int, offloaded: Offloa
     print()
     print(
         f"corpus: {corpus_chars:,} characters of standard-library docstrings; model: {num_params:,} params; "
-        f"AdamW state ({args.state_codec} codec) {jax_mlp.stats.format_bytes(plan.state_nbytes)} in {len(plan.subgroups)} subgroups "
+        f"AdamW state ({args.state_codec} codec) {jax_mlp.format_bytes(plan.state_nbytes)} in {len(plan.subgroups)} subgroups "
         f"behind a {args.host_cache} host cache"
     )
     print(

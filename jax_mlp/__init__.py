@@ -1,18 +1,31 @@
 """jax_mlp: train with optimizer state streamed from host RAM, NVMe and parallel file systems.
 
-``mlp_offload(inner, paths=...)`` wraps an element-wise optax optimizer; see the README.
+``mlp_offload(inner, paths=...)`` wraps an element-wise optax optimizer; see the README. Every public
+name is here, in ``__all__``, and in two namespaces: ``jax_mlp.quantized`` (the state codecs) and
+``jax_mlp.report`` (plots of a ``log_to`` file). The implementation in ``jax_mlp._src`` is private and
+may change at any time.
 """
 
-from jax_mlp.checkpoint import OffloadCheckpointHandler, OffloadRestore, OffloadSave, restore_params, standard_layout
-from jax_mlp.config import OffloadConfig, Path, parse_rate, parse_size
-from jax_mlp.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
-from jax_mlp.offloader import Offloader, OffloadState
-from jax_mlp.quantized import QuantizedState, quantized_state
-from jax_mlp.stats import UpdateStats
-from jax_mlp.transform import OffloadTransformation, mlp_offload
+import importlib as _importlib
+
+from jax_mlp._src import deprecated as _deprecated
+from jax_mlp._src.checkpoint.handler import OffloadCheckpointHandler, OffloadRestore, OffloadSave
+from jax_mlp._src.checkpoint.layout import standard_layout
+from jax_mlp._src.checkpoint.params import restore_params
+from jax_mlp._src.config import OffloadConfig, Path
+from jax_mlp._src.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
+from jax_mlp._src.offload.offloader import Offloader
+from jax_mlp._src.parsing import format_bytes, parse_rate, parse_size
+from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.quantized import QuantizedState, quantized_state
+from jax_mlp._src.state import OffloadState
+from jax_mlp._src.stats import IOEvent, UpdateStats
+from jax_mlp._src.storage.tier_stack import Pin
+from jax_mlp._src.transform import OffloadTransformation, mlp_offload
 
 __all__ = [
     "CoupledOptimizerError",
+    "IOEvent",
     "OffloadCheckpointHandler",
     "OffloadConfig",
     "OffloadError",
@@ -25,9 +38,12 @@ __all__ = [
     "PathError",
     "PathInUseError",
     "PeerError",
+    "Pin",
+    "Plan",
     "QuantizedState",
     "RecordError",
     "UpdateStats",
+    "format_bytes",
     "mlp_offload",
     "parse_rate",
     "parse_size",
@@ -36,4 +52,16 @@ __all__ = [
     "standard_layout",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_deprecated.install()
+for _name in __all__:  # tracebacks, reprs and help() name the public path: jax_mlp.OffloadError, not jax_mlp._src...
+    globals()[_name].__module__ = __name__
+
+
+def __getattr__(name: str):
+    """The public namespaces, imported on first use (``report`` needs matplotlib); the flat layout's module paths
+    (``jax_mlp.partition``, ...), deprecated (see ``_src/deprecated.py``)."""
+    if name in ("quantized", "report") or f"jax_mlp.{name}" in _deprecated.MOVED:
+        return _importlib.import_module(f"jax_mlp.{name}")
+    raise AttributeError(f"module 'jax_mlp' has no attribute {name!r}")

@@ -1,15 +1,15 @@
 """Write faults injected through the storage backend seam, for the tests of what a failed write leaves behind.
 
-Every path an offloader opens comes from :func:`jax_mlp.storage.paths.open_path`. :func:`inject_write_faults`
+Every path an offloader opens comes from :func:`jax_mlp._src.storage.paths.open_path`. :func:`inject_write_faults`
 wraps the backend of each path opened from then on, so that while a fault is on, its record writes raise
 the given error, as the operating system would raise it. Reads, the run file and the lock pass through.
 """
 
 from __future__ import annotations
 
-from jax_mlp.storage import paths
-from jax_mlp.storage.backend import Backend, RecordArray
-from jax_mlp.storage.paths import PathStore
+from jax_mlp._src.storage import paths
+from jax_mlp._src.storage.backend import Backend, RecordArray
+from jax_mlp._src.storage.paths import PathStore
 
 
 class WriteFault:

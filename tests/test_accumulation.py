@@ -15,8 +15,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_mlp
-from jax_mlp.errors import OffloadError
-from jax_mlp.storage.record import HEADER_SIZE
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan import partition
+from jax_mlp._src.storage.record import HEADER_SIZE
 
 K = 3
 CALLS = 4 * K  # four accumulated updates
@@ -57,7 +58,7 @@ def offloaded(params, paths, *, inner=adamw, reopen_at=None, **options):
 def test_same_math_as_multisteps_and_bits_independent_of_tiering(tmp_path):
     params = make_params()
     reference = offloaded(params, [tmp_path / "a"], prefetch_depth=1)
-    state_bytes = jax_mlp.partition.make_plan(params, adamw(), jax_mlp.parse_size(SUBGROUP)).state_nbytes
+    state_bytes = partition.make_plan(params, adamw(), jax_mlp.parse_size(SUBGROUP)).state_nbytes
     variants = {
         "part_cache_two_paths": dict(
             paths=[tmp_path / "b1", tmp_path / "b2"], host_cache=state_bytes // 3, prefetch_depth=3

@@ -152,7 +152,7 @@ def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_para
                     tx.apply(grads_at(params, step), state, params)
                 fault.clear()
                 assert tx.offloader.step == step and any(x.is_deleted() for x in jax.tree.leaves(params))
-                params = jax_mlp.checkpoint.restore_params(tx, like)
+                params = jax_mlp.restore_params(tx, like)
             params, state = tx.apply(grads_at(params, step), state, params)
         tx.close(delete=True)
         return params

@@ -138,7 +138,7 @@ def test_checksum_benchmark_measures_the_crcs_and_the_update_with_each(tmp_path,
     result = checksum.main(["--buffer", "1MiB", "--state", "2MiB", "--updates", "1", "--rounds", "1"])
     assert {"zlib.crc32", "isal.isal_zlib.crc32"} <= set(result["gb_per_s"])
     assert set(result["update_cpu_s"]) == {"zlib", "isal"} and result["update_cpu_ratio_isal_over_zlib"] > 0
-    from jax_mlp.storage import record
+    from jax_mlp._src.storage import record
 
     assert record.crc32 is checksum.isal_crc32, "the benchmark puts the checksum back"
 

@@ -19,8 +19,8 @@ from conftest import abstract, decay_mask, grads_at, make_params, train
 from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, max_relative_deviation
 
 import jax_mlp
-from jax_mlp import remainders
-from jax_mlp.storage.paths import PathStore
+from jax_mlp._src.plan import remainders
+from jax_mlp._src.storage.paths import PathStore
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = {"subgroup_size": "16KiB", "host_cache": "40KiB"}  # splits "big" into row chunks; a partial cache
@@ -138,7 +138,7 @@ def test_master_params_round_trip_and_restore_into_plain_optax(storage, tmp_path
         params, state = train(tx, params, state, range(5))
         if storage == "remainder":
             with pytest.raises(jax_mlp.OffloadError, match=r"remainders.*OffloadSave\(offload, params\)"):
-                jax_mlp.checkpoint.OffloadCheckpointHandler().save(tmp_path / "refused", jax_mlp.OffloadSave(tx))
+                jax_mlp.OffloadCheckpointHandler().save(tmp_path / "refused", jax_mlp.OffloadSave(tx))
         saved = jax.tree.map(jnp.copy, params)  # the save copies what it needs: these may change meanwhile
         manager.save(
             5, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx, saved))

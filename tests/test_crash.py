@@ -25,7 +25,7 @@ from conftest import make_params, train
 from helpers import assert_same_bits
 
 import jax_mlp
-from jax_mlp.storage.paths import open_path
+from jax_mlp._src.storage.paths import open_path
 
 TESTS = Path(__file__).resolve().parent
 # Full masters: the tiers alone give the params back (restore_params), with no checkpoint.
@@ -47,15 +47,15 @@ CHILD = textwrap.dedent(
     import json, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     import jax_mlp
-    from jax_mlp.engine import Engine
-    from jax_mlp.storage.paths import PathStore
-    from jax_mlp.storage.tier_stack import TierStack
+    from jax_mlp._src.stream.engine import Engine
+    from jax_mlp._src.storage.paths import PathStore
+    from jax_mlp._src.storage.tier_stack import TierStack
     from conftest import make_params, train
     from test_crash import KILLED_AT, OPTIONS, STEPS, INNER
 
     root, point = sys.argv[2], sys.argv[3]
     calls, updating = [], []
-    fetch, run, write, update = TierStack.fetch, Engine.run, PathStore.write, jax_mlp.Offloader.update
+    fetch, run, write, update = TierStack.fetch, Engine.pipeline, PathStore.write, jax_mlp.Offloader.update
 
     def die(**where):
         with open(f"{root}/killed.json", "w") as f:
@@ -101,7 +101,7 @@ CHILD = textwrap.dedent(
         return write(self, subgroup, slot, record)
 
     jax_mlp.Offloader.update = in_update
-    TierStack.fetch, Engine.run, PathStore.write = {
+    TierStack.fetch, Engine.pipeline, PathStore.write = {
         "read": (reading, run, write),
         "compute": (fetch, running, write),
         "write": (fetch, run, writing),
@@ -226,7 +226,7 @@ KILL_IN_RECIPE = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import orbax.checkpoint as ocp
     import jax_mlp
-    from jax_mlp.storage.paths import PathStore
+    from jax_mlp._src.storage.paths import PathStore
     from test_crash import RECIPE, RECIPE_KILLED_AT
 
     save, write, init = ocp.CheckpointManager.save, PathStore.write, jax_mlp.Offloader.init

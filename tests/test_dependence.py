@@ -10,9 +10,9 @@ import pytest
 from conftest import scale_by_global_norm
 
 import jax_mlp
-from jax_mlp import partition
-from jax_mlp.dependence import REMEDY, CoupledOptimizerError, check_optimizer
-from jax_mlp.errors import OffloadError
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan import partition
+from jax_mlp._src.plan.optimizer_check import REMEDY, CoupledOptimizerError, check_optimizer
 
 TREE = {
     "embed": jax.ShapeDtypeStruct((12, 4), np.float32),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import doctest
 import inspect
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,10 +38,11 @@ def test_every_mlp_offload_option_is_documented() -> None:
 
 ARCHITECTURE_MD = API_MD.parent / "architecture.md"
 PACKAGE = Path(jax_mlp.__file__).resolve().parent
+SRC = PACKAGE / "_src"
 
 
 def _module_table() -> list[tuple[str, set[str]]]:
-    """The rows of the modules table in docs/architecture.md: each module and the modules it says it imports."""
+    """The rows of the modules table in docs/architecture.md: each module under ``jax_mlp/_src`` and its imports."""
     rows = []
     for line in ARCHITECTURE_MD.read_text(encoding="utf-8").splitlines():
         match = re.match(r"\| `([\w/]+)\.py` \|.*\| (.*) \|$", line)
@@ -50,32 +53,36 @@ def _module_table() -> list[tuple[str, set[str]]]:
     return rows
 
 
-def _imports_of(module: str) -> set[str]:
-    """The jax_mlp modules ``module`` imports, anywhere in its source."""
-    tree = ast.parse((PACKAGE / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8"))
+def _imports_of(path: Path) -> set[str]:
+    """The modules under ``jax_mlp/_src`` that the file at ``path`` imports, named relative to ``_src``."""
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jax_mlp"):
-            if node.module == "jax_mlp":
-                found.update(alias.name for alias in node.names)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jax_mlp._src"):
+            sub = node.module.removeprefix("jax_mlp._src").removeprefix(".")
+            if not sub or (SRC / sub.replace(".", "/")).is_dir():  # a package: its names are modules
+                found.update(f"{sub}.{alias.name}".lstrip(".") for alias in node.names)
             else:
-                found.add(node.module.removeprefix("jax_mlp."))
-    return found - {module}
+                found.add(sub)
+    return found
+
+
+def _module_imports(module: str) -> set[str]:
+    return _imports_of(SRC / (module.replace(".", "/") + ".py")) - {module}
 
 
 def test_the_module_table_lists_every_module_and_its_imports() -> None:
     rows = _module_table()
     documented = [module for module, _ in rows]
     on_disk = sorted(
-        str(path.relative_to(PACKAGE).with_suffix("")).replace("/", ".")
-        for path in PACKAGE.rglob("*.py")
+        str(path.relative_to(SRC).with_suffix("")).replace("/", ".")
+        for path in SRC.rglob("*.py")
         if path.name != "__init__.py"
     )
     assert sorted(documented) == on_disk
     wrong = {
-        module: (imports, _imports_of(module))
+        module: (imports, _module_imports(module))
         for module, imports in rows
-        if imports - {"nothing"} != _imports_of(module)
+        if imports - {"nothing"} != _module_imports(module)
     }
     assert not wrong, f"docs/architecture.md's imports column differs from the code (said, actual): {wrong}"
 
@@ -86,10 +93,47 @@ def test_every_import_points_down_the_module_table() -> None:
     upward = [
         (module, imported)
         for module, _ in rows
-        for imported in _imports_of(module)
+        for imported in _module_imports(module)
         if imported in position and position[imported] <= position[module]
     ]
     assert not upward, f"imports that point up (or sideways) in docs/architecture.md's table: {upward}"
+
+
+def test_each_folder_is_one_layer_of_the_table() -> None:
+    """A folder's rows are contiguous, so the folders are the layers and a module only imports its own or lower ones."""
+    folders = [module.rpartition(".")[0] for module, _ in _module_table()]
+    runs = [folder for i, folder in enumerate(folders) if folder and (i == 0 or folders[i - 1] != folder)]
+    assert len(runs) == len(set(runs)), f"a folder's modules are split in docs/architecture.md's table: {runs}"
+
+
+def test_the_public_face_imports_only_the_private_modules_and_nothing_imports_the_face() -> None:
+    face = [path for path in PACKAGE.glob("*.py")]
+    assert {path.name for path in face} <= {"__init__.py", "__main__.py", "quantized.py", "report.py"}
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        face_imports = {
+            name
+            for name in imported
+            if name == "jax_mlp" or (name.startswith("jax_mlp.") and not name.startswith("jax_mlp._src"))
+        }
+        assert not face_imports, (
+            f"{path.relative_to(PACKAGE)} imports the public face {face_imports}: data flows one way"
+        )
+
+
+def test_examples_import_only_the_public_face() -> None:
+    examples = PACKAGE.parent / "examples"
+    for path in examples.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        internal = {m for m in modules if m.startswith("jax_mlp.") and m not in ("jax_mlp.quantized", "jax_mlp.report")}
+        assert not internal, f"examples/{path.name} imports {internal}; use the names jax_mlp exports"
+        text = path.read_text(encoding="utf-8")
+        attributes = set(re.findall(r"\bjax_mlp\.([a-z_]+)\.", text)) - {"quantized", "report"}
+        assert not attributes, f"examples/{path.name} reaches into jax_mlp.{attributes}"
 
 
 def test_help_explains_every_parameter_of_mlp_offload():
@@ -97,3 +141,28 @@ def test_help_explains_every_parameter_of_mlp_offload():
     doc = inspect.getdoc(jax_mlp.mlp_offload)
     described = re.findall(r"^  (\w+):", doc[doc.index("Args:") : doc.index("Returns:")], re.MULTILINE)
     assert described == list(inspect.signature(jax_mlp.mlp_offload).parameters)
+
+
+DOCTESTED = (
+    "mlp_offload",
+    "restore_params",
+    "OffloadSave",
+    "OffloadRestore",
+    "OffloadConfig",
+    "parse_size",
+    "format_bytes",
+)
+
+
+@pytest.mark.parametrize("name", DOCTESTED)
+def test_the_docstring_example_runs(name: str, tmp_path, monkeypatch) -> None:
+    """The examples in the public docstrings run as written and print what they say (doctest)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # their tempfile.mkdtemp() directories go with the test
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    tests = doctest.DocTestFinder(recurse=False).find(getattr(jax_mlp, name), name=f"jax_mlp.{name}")
+    examples = [test for test in tests if test.examples]
+    assert examples, f"jax_mlp.{name}'s docstring has no example"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in examples:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

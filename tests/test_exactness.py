@@ -18,7 +18,7 @@ from helpers import (
 )
 
 import jax_mlp
-from jax_mlp import remainders
+from jax_mlp._src.plan import partition, remainders
 
 STEPS = 10
 SUBGROUP = "16KiB"
@@ -30,7 +30,7 @@ def test_same_math_as_optax_and_bits_independent_of_tiering(name, paths):
     params = make_params()
     # adafactor's factored state is small: a smaller subgroup still gives many subgroups, none split.
     subgroup_size = "4KiB" if name == "adafactor" else SUBGROUP
-    plan = jax_mlp.partition.make_plan(params, inner, jax_mlp.parse_size(subgroup_size))
+    plan = partition.make_plan(params, inner, jax_mlp.parse_size(subgroup_size))
     split = any(p.rows is not None for sg in plan.subgroups for p in sg.pieces)
     assert len(plan.subgroups) >= 5
     assert split == (name != "adafactor"), "adafactor must run on unsplit leaves; the others on a split leaf"

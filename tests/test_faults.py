@@ -22,9 +22,9 @@ from faults import inject_write_faults
 from helpers import assert_close_to_optax, assert_same_bits
 
 import jax_mlp
-from jax_mlp.storage import capacity
-from jax_mlp.storage.paths import open_path
-from jax_mlp.storage.record import HEADER_SIZE, verify
+from jax_mlp._src.storage import capacity
+from jax_mlp._src.storage.paths import open_path
+from jax_mlp._src.storage.record import HEADER_SIZE, verify
 
 # A fixed placement, so each fault hits the path it is made on: a rebalancing move could take every
 # record off it, or delete records there and free the space a full disk test has taken.

@@ -16,7 +16,7 @@ from test_flax import train
 from test_sharding import assert_stored_once, mesh_2x4, sharded_params, train_keeping_shardings
 
 import jax_mlp
-from jax_mlp import in_jit
+from jax_mlp._src.offload import in_jit
 
 
 def jitted_training(tx, params, steps: int):
@@ -104,7 +104,7 @@ def test_layouts_the_cpu_runtime_cannot_serve_are_refused_at_trace_time(tmp_path
 def test_rendezvous_times_out_clearly_and_hands_every_party_the_error():
     rendezvous = in_jit.Rendezvous(parties=2, timeout=0.5)
     with pytest.raises(jax_mlp.OffloadError, match="1 of 2 devices' callbacks did not arrive"):
-        rendezvous.meet(7, party=0, payload=None, run=lambda payloads: payloads)
+        rendezvous.meet(7, party=0, payload=None, work=lambda payloads: payloads)
 
     def fail(payloads):
         raise RuntimeError(f"update failed with {sorted(payloads)}")
@@ -113,7 +113,7 @@ def test_rendezvous_times_out_clearly_and_hands_every_party_the_error():
 
     def party(index):
         try:
-            rendezvous.meet(8, party=index, payload=index, run=fail)
+            rendezvous.meet(8, party=index, payload=index, work=fail)
         except RuntimeError as error:
             errors.append(str(error))
 

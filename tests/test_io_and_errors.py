@@ -14,10 +14,11 @@ from conftest import grads_at, make_params, run_offload
 from helpers import assert_close_to_optax, assert_same_bits
 
 import jax_mlp
-from jax_mlp.config import total_memory
-from jax_mlp.storage import record
-from jax_mlp.storage.paths import PathStore
-from jax_mlp.storage.record import HEADER_SIZE
+from jax_mlp._src.config import total_memory
+from jax_mlp._src.plan import partition
+from jax_mlp._src.storage import record
+from jax_mlp._src.storage.paths import PathStore
+from jax_mlp._src.storage.record import HEADER_SIZE
 
 SUBGROUP = "16KiB"
 
@@ -56,7 +57,7 @@ def test_with_a_cache_larger_than_the_state_the_second_update_reads_nothing(path
 
 def test_a_partial_cache_is_reused_by_the_alternating_order(paths):
     params = make_params()
-    plan = jax_mlp.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
+    plan = partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
     third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
     tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP, host_cache=third)
     state = tx.init(params)
@@ -230,7 +231,7 @@ def test_a_host_cache_larger_than_the_memory_is_refused_when_the_offload_is_made
     memory = total_memory()
     with pytest.raises(jax_mlp.OffloadError, match=r"host_cache=.* is larger than this machine's memory") as refused:
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], host_cache=2 * memory)
-    assert jax_mlp.config.format_bytes(memory) in str(refused.value)
+    assert jax_mlp.format_bytes(memory) in str(refused.value)
     assert not list(Path(paths[0]).rglob("run.json"))
 
 

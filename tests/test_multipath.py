@@ -18,9 +18,10 @@ import pytest
 
 import jax_mlp
 from jax_mlp import report
-from jax_mlp.model import PathSpeed
-from jax_mlp.scheduler import HOLD, WINDOW, Measured, PathEstimate, Scheduler, weighted_interleave
-from jax_mlp.storage.traffic import Traffic, Usage
+from jax_mlp._src.schedule.estimates import WINDOW, PathEstimate
+from jax_mlp._src.schedule.performance import PathSpeed
+from jax_mlp._src.schedule.scheduler import HOLD, Measured, Scheduler, weighted_interleave
+from jax_mlp._src.storage.traffic import Traffic, Usage
 
 MB = 1e6
 RECORD = 8 * 2**20

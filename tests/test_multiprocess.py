@@ -65,8 +65,9 @@ CHILD = textwrap.dedent(
         state = tx.init(params)
     print(f"init at {int(state.step)}", flush=True)
     written = []  # the regions a save writes, by standard-layout leaf: each element once over both processes
-    region_of = jax_mlp.checkpoint.region_of
-    jax_mlp.checkpoint.region_of = lambda array, region: written.append(region[:2]) or region_of(array, region)
+    from jax_mlp._src.checkpoint import save as checkpoint_save
+    region_of = checkpoint_save.region_of
+    checkpoint_save.region_of = lambda array, region: written.append(region[:2]) or region_of(array, region)
     update = jax.jit(tx.update) if mode == "jit" else tx.update
     for step in range(int(state.step), 10):
         if mode == "save" and step == 4:  # saved in the background while training goes on

@@ -28,9 +28,9 @@ from object_stores import S3_KEYS, FakeGcs, MotoS3
 
 import jax_mlp
 from jax_mlp import report
-from jax_mlp.storage.kvstore import ONE_RETRY, KvStoreBackend, retries_within
-from jax_mlp.storage.paths import PathStore, open_path
-from jax_mlp.storage.record import new_record
+from jax_mlp._src.storage.kvstore import ONE_RETRY, KvStoreBackend, retries_within
+from jax_mlp._src.storage.paths import PathStore, open_path
+from jax_mlp._src.storage.record import new_record
 
 TESTS = Path(__file__).resolve().parent
 SUBGROUP = "32KiB"
@@ -368,7 +368,7 @@ def test_s3_keys_in_the_environment_are_used_without_the_sdk_logging_missing_aws
 
 
 def test_probe_and_plan_take_urls_and_json_specs_and_report_no_free_space(s3, gcs, capsys):
-    from jax_mlp import cli
+    from jax_mlp._src.cli import main as cli
 
     spec = json.dumps(s3.spec("bkt", "probe"))
     arguments = ["--size", "2MiB", "--record", "1MiB", "--state", "8MiB", "--subgroup-size", "1MiB"]

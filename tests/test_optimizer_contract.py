@@ -22,7 +22,7 @@ from conftest import scale_by_global_norm
 from helpers import assert_close_to_optax
 
 import jax_mlp
-from jax_mlp import partition
+from jax_mlp._src.plan import partition
 
 _LISTS = (
     ("_src/alias_test.py", "_OPTIMIZERS_UNDER_TEST"),

@@ -25,8 +25,8 @@ from conftest import abstract, make_params, train
 from helpers import as_bits
 
 import jax_mlp
-from jax_mlp.storage import ownership
-from jax_mlp.storage.paths import open_path
+from jax_mlp._src.storage import ownership
+from jax_mlp._src.storage.paths import open_path
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = {"subgroup_size": "16KiB", "master_dtype": jnp.float32, "master_storage": "full"}  # for restore_params

@@ -10,8 +10,8 @@ import optax
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_mlp import partition
-from jax_mlp.storage import record
+from jax_mlp._src.plan import partition
+from jax_mlp._src.storage import record
 
 shapes = st.lists(st.integers(1, 40), min_size=0, max_size=3).map(tuple)
 trees = st.recursive(

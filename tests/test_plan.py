@@ -7,13 +7,17 @@ import os
 
 import pytest
 
-from jax_mlp import cli, model
-from jax_mlp.config import OffloadConfig, format_bytes, parse_size
-from jax_mlp.model import PathSpeed, Workload
-from jax_mlp.storage import capacity
-from jax_mlp.storage.buffers import POOL_BYTES
-from jax_mlp.storage.probe import PROBE_DIRECTORY
-from jax_mlp.storage.record import HEADER_SIZE
+from jax_mlp._src.cli import command, plan_tables, sizing, speeds
+from jax_mlp._src.cli import main as cli
+from jax_mlp._src.cli.sizing import Workload
+from jax_mlp._src.config import OffloadConfig
+from jax_mlp._src.parsing import format_bytes, parse_size
+from jax_mlp._src.schedule import performance as model
+from jax_mlp._src.schedule.performance import PathSpeed
+from jax_mlp._src.storage import capacity
+from jax_mlp._src.storage.buffers import POOL_BYTES
+from jax_mlp._src.storage.probe import PROBE_DIRECTORY
+from jax_mlp._src.storage.record import HEADER_SIZE
 
 MiB = 1024**2
 
@@ -38,10 +42,13 @@ def test_a_cache_holding_the_whole_state_predicts_its_write_back_and_a_finite_ti
     write_back = records * 64 * MiB
     assert figure(out, "read during the update") == "0 B" and figure(out, "written during the update") == "0 B"
     assert figure(out, "written back from the cache") == format_bytes(write_back)
-    assert figure(out, "I/O between updates") == cli._seconds(write_back / 5e9)
+    assert figure(out, "I/O between updates") == plan_tables.format_seconds(write_back / 5e9)
     link_floor = state / 20e9  # to the device and back, at the default --link, both ways at once
-    assert figure(out, "update") == cli._seconds(link_floor) and link_floor > 0
-    assert f"predicted update time: {cli._seconds(link_floor)}; {format_bytes(write_back)} written back" in out
+    assert figure(out, "update") == plan_tables.format_seconds(link_floor) and link_floor > 0
+    assert (
+        f"predicted update time: {plan_tables.format_seconds(link_floor)}; {format_bytes(write_back)} written back"
+        in out
+    )
     rows = out[out.index("mechanisms") :].splitlines()[1:]
     assert len(rows) == len(model.ABLATION) and all(row.endswith("x") for row in rows), rows
 
@@ -50,8 +57,8 @@ def test_write_back_that_outlasts_the_forward_and_backward_delays_the_update(cap
     args = ["--params", "7e9", "--paths", "nvme=5GB/s", "--nodes", "8", "--host-cache", "64GiB", "--compute-s", "1"]
     out = plan(capsys, *args)
     write_back = math.ceil(7e9 / (64 * MiB)) * 64 * MiB / 5e9
-    assert f"does not fit: the update waits {cli._seconds(write_back - 1)} more" in out
-    assert figure(out, "update") == cli._seconds(7e9 / 20e9 + write_back - 1)
+    assert f"does not fit: the update waits {plan_tables.format_seconds(write_back - 1)} more" in out
+    assert figure(out, "update") == plan_tables.format_seconds(7e9 / 20e9 + write_back - 1)
     lazy = plan(capsys, *args, "--flush", "lazy")  # the paper's flush: dirty records wait for eviction
     assert figure(lazy, "written back from the cache") == "0 B" and "fits in the forward and backward" in lazy
 
@@ -61,13 +68,13 @@ def test_write_back_that_outlasts_the_forward_and_backward_delays_the_update(cap
     [("70B", 70e9), ("7b", 7e9), ("1.5e9", 1.5e9), ("7e9", 7e9), ("4M", 4e6), ("2k", 2e3), ("1T", 1e12), ("12", 12)],
 )
 def test_counts_take_suffixes(text, count):
-    assert cli.parse_count(text, "--params") == count
+    assert command.parse_count(text, "--params") == count
 
 
 @pytest.mark.parametrize("text", ["70X", "B", "-1", "0", "7 GB", ""])
 def test_other_counts_are_refused(text):
-    with pytest.raises(cli.UsageError, match="--params"):
-        cli.parse_count(text, "--params")
+    with pytest.raises(command.UsageError, match="--params"):
+        command.parse_count(text, "--params")
 
 
 def test_70b_is_planned(capsys):
@@ -108,7 +115,7 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     assert figure(out, "update adds, fused apply") == format_bytes((2 + 2) * MiB)  # write_depth + 2 records
     assert figure(out, "peak, optax route") == format_bytes(2 * params + optax_adds)
 
-    host = [2 * cached * MiB, 2 * (2 + 2 + 1) * MiB, 2 * min(POOL_BYTES, state), 2 * model.PROCESS_BYTES]
+    host = [2 * cached * MiB, 2 * (2 + 2 + 1) * MiB, 2 * min(POOL_BYTES, state), 2 * sizing.PROCESS_BYTES]
     labels = ["cache", "records in flight", "staging buffers", "process runtime"]
     assert [figure(out, label) for label in labels] == [format_bytes(nbytes) for nbytes in host]
     assert figure(out, "total") == format_bytes(sum(host))
@@ -124,10 +131,10 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     ahead = 2  # prefetch_depth reads moved to the idle time before the update
     busy = 2 * ((reads - ahead) * MiB / 1e9 + writes * MiB / 5e8)  # 2 processes take turns on the path
     idle = 2 * MiB * (cached / 5e8 + ahead / 1e9)
-    assert figure(out, "I/O between updates") == cli._seconds(idle)
+    assert figure(out, "I/O between updates") == plan_tables.format_seconds(idle)
     update = busy + MiB / 5e8 + (idle - 0.01)  # + draining the last write + the idle I/O past the 10 ms
-    assert figure(out, "update") == cli._seconds(update)
-    assert figure(out, "step") == cli._seconds(0.01 + update)
+    assert figure(out, "update") == plan_tables.format_seconds(update)
+    assert figure(out, "step") == plan_tables.format_seconds(0.01 + update)
 
 
 def test_a_bf16_master_is_planned_whole_unless_stored_as_its_remainder(capsys):
@@ -143,7 +150,7 @@ def test_device_memory_matches_the_measured_ratios_of_efficiency_md():
     # added 2.83x the params (4.0x on the first step), the fused apply 0.5-0.58x.
     params = 64 * MiB / 2
     work = Workload(params, 2, 4, 12, 1, 1, 1, 8 * MiB, 2, 2)
-    device = model.device_memory(work)
+    device = sizing.device_memory(work)
     assert device.optax_route / device.params == 3.0 and device.fused_apply / device.params == 0.5
 
 
@@ -153,7 +160,9 @@ def test_the_forward_and_backward_from_flops(capsys):
     args = ["--params", "1B", "--paths", "nvme=5GB/s", "--processes-per-node", "2", "--tflops", "100"]
     out = plan(capsys, *args, "--tokens-per-step", "1M", "--mfu", "0.5")
     seconds = 6 * 1e9 * 1e6 / (2 * 100e12 * 0.5)
-    assert figure(out, "forward + backward") == cli._seconds(seconds) == "60 s" and "estimated: 6 x" in out
+    assert (
+        figure(out, "forward + backward") == plan_tables.format_seconds(seconds) == "60 s" and "estimated: 6 x" in out
+    )
 
 
 def test_host_memory_over_the_node_is_a_warning(capsys):
@@ -161,7 +170,7 @@ def test_host_memory_over_the_node_is_a_warning(capsys):
     assert "WARNING: over --host-memory 32.0 GiB" in out
     config = OffloadConfig("/unused")
     in_flight = config.prefetch_depth + config.write_depth + 1
-    room = 32 * 1024**3 - in_flight * 64 * MiB - POOL_BYTES - model.PROCESS_BYTES  # all but the cache
+    room = 32 * 1024**3 - in_flight * 64 * MiB - POOL_BYTES - sizing.PROCESS_BYTES  # all but the cache
     assert f"the largest --host-cache that fits: {format_bytes(room)}" in out
 
 
@@ -178,14 +187,14 @@ def test_directories_in_paths_are_probed_like_jax_mlp_probe(tmp_path, capsys):
 
 
 def test_rates_are_read_first_in_probe_and_in_plan(tmp_path, capsys):
-    assert cli._declared_speed("nvme=4GB/s:1GB/s") == PathSpeed("nvme", 4e9, 1e9)
-    assert cli._declared_speed("nvme=4GB/s") == PathSpeed("nvme", 4e9, 4e9)
+    assert speeds.declared_speed("nvme=4GB/s:1GB/s") == PathSpeed("nvme", 4e9, 1e9)
+    assert speeds.declared_speed("nvme=4GB/s") == PathSpeed("nvme", 4e9, 4e9)
     assert cli.main(["probe", str(tmp_path), "--size", "2MiB", "--record", "1MiB"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["path", "read", "write"]
     read, write = (float(figure) * 1e6 for figure in lines[1].split()[1:5:2])
     (pasted,) = lines[-1].removeprefix("for jax-mlp plan elsewhere: --paths ").split(",")
-    speed = cli._declared_speed(pasted)
+    speed = speeds.declared_speed(pasted)
     assert speed == PathSpeed(str(tmp_path), read, write)
 
 

@@ -13,8 +13,9 @@ from conftest import grads_at, make_params, run_offload, run_optax
 from helpers import LOW_PRECISION_STATE_BOUND, assert_close_to_optax, assert_same_bits, load_module
 
 import jax_mlp
-from jax_mlp import quantized
-from jax_mlp.quantized import quantized_state
+from jax_mlp._src import quantized
+from jax_mlp._src.plan import partition
+from jax_mlp._src.quantized import quantized_state
 
 STEPS = 10
 SUBGROUP = "16KiB"
@@ -191,7 +192,7 @@ def test_works_inside_nnx_optimizer():
 def test_offloaded_equals_in_memory_and_bits_independent_of_tiering(name, paths):
     inner = CODECS[name]()
     params = make_params()
-    plan = jax_mlp.partition.make_plan(params, inner, jax_mlp.parse_size(SUBGROUP))
+    plan = partition.make_plan(params, inner, jax_mlp.parse_size(SUBGROUP))
     assert len(plan.subgroups) >= 5
     assert any(p.rows is not None for sg in plan.subgroups for p in sg.pieces), "a leaf must be split into rows"
     dtypes = {f.dtype for sg in plan.subgroups for f in sg.layout.state_fields}

@@ -14,7 +14,7 @@ from conftest import decay_mask, grads_at, make_params
 from helpers import assert_bf16_within_ulp, assert_same_bits, load_module
 
 import jax_mlp
-from jax_mlp import remainders
+from jax_mlp._src.plan import remainders
 
 WORDS = np.arange(1 << 16, dtype=np.uint16)  # every bf16 word
 

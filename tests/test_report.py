@@ -12,8 +12,9 @@ import pytest
 from conftest import grads_at, make_params
 
 import jax_mlp
-from jax_mlp import cli, report
-from jax_mlp.stats import busy_seconds
+from jax_mlp import report
+from jax_mlp._src.cli import main as cli
+from jax_mlp._src.stats import busy_seconds
 
 STEPS = 6
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -148,7 +149,7 @@ def test_a_log_being_written_is_read_up_to_its_last_complete_line(run, tmp_path,
 
 
 def test_the_command_runs_as_a_module_with_help_and_one_line_errors(tmp_path):
-    command = [sys.executable, "-m", "jax_mlp.cli"]
+    command = [sys.executable, "-m", "jax_mlp"]
     helped = subprocess.run([*command, "report", "--help"], capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "log_to" in helped.stdout and "--output" in helped.stdout
     failed = subprocess.run(

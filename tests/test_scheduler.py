@@ -16,14 +16,16 @@ from conftest import grads_at, make_params, run_offload, tmpfs
 from helpers import assert_same_bits
 
 import jax_mlp
-from jax_mlp import model
-from jax_mlp.model import PathSpeed
-from jax_mlp.scheduler import MIN_SAMPLES, WINDOW, Scheduler, weighted_interleave
-from jax_mlp.stats import format_bytes
-from jax_mlp.storage import capacity
-from jax_mlp.storage.probe import probe
-from jax_mlp.storage.record import HEADER_SIZE
-from jax_mlp.storage.traffic import Traffic, Usage
+from jax_mlp._src.plan import partition
+from jax_mlp._src.schedule import performance as model
+from jax_mlp._src.schedule.estimates import MIN_SAMPLES, WINDOW
+from jax_mlp._src.schedule.performance import PathSpeed
+from jax_mlp._src.schedule.scheduler import Scheduler, weighted_interleave
+from jax_mlp._src.stats import format_bytes
+from jax_mlp._src.storage import capacity, record
+from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.record import HEADER_SIZE
+from jax_mlp._src.storage.traffic import Traffic, Usage
 
 SUBGROUP = "16KiB"
 
@@ -76,7 +78,7 @@ def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():
 
 def test_ascending_order_never_hits_a_partial_cache_and_alternating_does(paths):
     params = make_params()
-    plan = jax_mlp.partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
+    plan = partition.make_plan(params, optax.adam(1e-2), jax_mlp.parse_size(SUBGROUP))
     third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
     hits = {}
     for order, path in (("ascending", paths[0]), ("alternate", paths[1])):
@@ -114,10 +116,8 @@ def test_lazy_flush_writes_cached_records_only_when_asked(paths, monkeypatch):
     )
     state = tx.init(params)
     packed = []
-    pack = jax_mlp.storage.record.pack
-    monkeypatch.setattr(
-        jax_mlp.storage.record, "pack", lambda layout, *args: packed.append(layout) or pack(layout, *args)
-    )
+    pack = record.pack
+    monkeypatch.setattr(record, "pack", lambda layout, *args: packed.append(layout) or pack(layout, *args))
     for step in range(3):
         _, state = tx.update(grads_at(params, step), state, params)
         assert sum(tx.stats.bytes_written.values()) == 0
@@ -213,7 +213,7 @@ LOCK_CHILD = textwrap.dedent(
     import jax
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     import optax, jax.numpy as jnp, jax_mlp
-    import jax_mlp.storage.paths as storage_paths
+    import jax_mlp._src.storage.paths as storage_paths
     # Each record's transfer, timed inside the path's traffic control (so inside the node lock) on the
     # clock all processes share: the stats' events also time the wait for the lock, so they overlap.
     held, open_path = [], storage_paths.open_path
@@ -281,7 +281,7 @@ def test_the_node_lock_makes_path_access_exclusive_across_processes(tmp_path):
 
 
 def test_plan_and_probe_commands(tmp_path, capsys):
-    from jax_mlp import cli
+    from jax_mlp._src.cli import main as cli
 
     assert cli.main(["plan", "--params", "70e9", "--paths", "nvme=5GB/s,pfs=2GB/s", "--host-cache", "256GiB"]) == 0
     out = capsys.readouterr().out
@@ -302,7 +302,7 @@ def test_plan_and_probe_commands(tmp_path, capsys):
 
 
 def test_probe_and_plan_print_the_room_each_path_needs_against_its_free_space(tmp_path, capsys):
-    from jax_mlp import cli
+    from jax_mlp._src.cli import main as cli
 
     with tmpfs(tmp_path / "small", "4m") as small:
         assert (

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from test_sharding import mesh_2x4, spec_for
 
 import jax_mlp
+from jax_mlp._src.plan import remainders
 
 TESTS = Path(__file__).resolve().parent
 MESHES = [(2, 4), (1, 8), (4, 2)]
@@ -204,7 +205,7 @@ def test_sharded_remainder_masters_save_whole_and_restore_bitwise(tmp_path):
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         layout = jax_mlp.standard_layout(inner(), like, jnp.float32)
         masters = manager.restore(3, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))
-    words = jax.tree.map(lambda m: jax_mlp.remainders.split(jnp.asarray(m))[0], masters["opt_state"]["master"])
+    words = jax.tree.map(lambda m: remainders.split(jnp.asarray(m))[0], masters["opt_state"]["master"])
     assert_same_bits(words, params, "the saved masters' high halves are the params")
     resumed = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "c"], **options)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
@@ -220,7 +221,7 @@ def test_sharded_remainder_masters_save_whole_and_restore_bitwise(tmp_path):
 
 
 def test_a_chunk_never_spans_two_blocks_and_follows_the_row_chunks_where_they_leave_it_large():
-    from jax_mlp.checkpoint_layout import chunk_shape
+    from jax_mlp._src.checkpoint.layout import chunk_shape
 
     def fsdp(rows, cols, parts):  # blocks of ``parts`` equal row ranges
         step = rows // parts

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_mlp
-from jax_mlp.storage.record import HEADER_SIZE
+from jax_mlp._src.plan import partition
+from jax_mlp._src.storage.record import HEADER_SIZE
 
 
 def mesh_2x4():
@@ -58,7 +59,7 @@ def test_sharded_training_matches_optax_and_stores_each_block_once(tmp_path):
     # Every element of every leaf is owned by exactly one piece: no replica is stored twice.
     for index, spec in enumerate(plan.leaves):
         owned = [p for sg in plan.subgroups for p in sg.pieces if p.leaf == index]
-        elements = sum(math.prod(jax_mlp.partition.piece_shape(spec, p)) for p in owned)
+        elements = sum(math.prod(partition.piece_shape(spec, p)) for p in owned)
         assert elements == math.prod(spec.shape), spec.path
     assert_stored_once(tx, inner, params)
 

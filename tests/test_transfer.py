@@ -11,7 +11,7 @@ from helpers import as_bits, assert_same_bits
 
 import jax_mlp
 from jax_mlp import OffloadError
-from jax_mlp.transfer import TransferPath, choose, has_pinned_host
+from jax_mlp._src.stream.transfer import TransferPath, choose, has_pinned_host
 
 STEPS = 3
 

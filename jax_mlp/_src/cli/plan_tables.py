@@ -1,0 +1,158 @@
+"""The tables ``jax-mlp plan`` prints: per device, per node, per path, per update and per step."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from jax_mlp._src.cli.sizing import PROCESS_BYTES, Compute, Workload, device_memory, host_memory, link_seconds
+from jax_mlp._src.cli.speeds import path_needs, record_sizes
+from jax_mlp._src.parsing import format_bytes, parse_size
+from jax_mlp._src.schedule.performance import PathSpeed, Prediction
+from jax_mlp._src.storage import capacity, local
+from jax_mlp._src.storage.buffers import POOL_BYTES
+
+
+def format_seconds(value: float) -> str:
+    return f"{value:.3g} s" if value < 1000 else f"{value / 60:.3g} min"
+
+
+def _free(name: str, need: int) -> str:
+    """The free space of a path named by a directory on this machine (marked if short of ``need``), else ``-``."""
+    if not os.path.isdir(name):
+        return "-"
+    free = local.room(name).free
+    return format_bytes(free) + (" (short)" if need > free else "")
+
+
+def _row(label: str, value: str, note: str = "") -> None:
+    print(f"  {label:<30} {value:>10}  {note}".rstrip())
+
+
+def _fits(need: float, flag: str, have: str | None) -> str:
+    """Whether ``need`` bytes fit in the ``flag`` the user gave (nothing if none was)."""
+    if have is None:
+        return ""
+    limit = parse_size(have, name=flag)
+    if need > limit:
+        return f"WARNING: over {flag} {format_bytes(limit)} by {format_bytes(need - limit)}"
+    return f"fits {flag} {format_bytes(limit)}, {format_bytes(limit - need)} spare"
+
+
+def ratio(baseline: float, seconds: float) -> str:
+    return f"{baseline / seconds:.2f}x" if seconds > 0 else "-"
+
+
+def print_device(args: argparse.Namespace, work: Workload, param_dtype: str) -> None:
+    """Per device: the params, the grads and the peak an update adds, by route."""
+    device = device_memory(work)
+    updates = "fp32 (the master's)" if args.master else param_dtype
+    print(f"per device: params sharded over {work.devices} device(s), in {param_dtype}; activations not counted")
+    _row("params", format_bytes(device.params))
+    _row("grads", format_bytes(device.grads))
+    _row("update adds, optax route", format_bytes(device.optax_route), f"updates in {updates}, and new params")
+    _row(
+        "update adds, fused apply",
+        format_bytes(device.fused_apply),
+        f"{work.write_depth + 2} records: the subgroup computing (in and out), {work.write_depth} being written",
+    )
+    for route, adds in (("optax route", device.optax_route), ("fused apply", device.fused_apply)):
+        peak = device.params + device.grads + adds
+        _row(f"peak, {route}", format_bytes(peak), _fits(peak, "--device-memory", args.device_memory))
+    print()
+
+
+def print_host(args: argparse.Namespace, work: Workload, cache: float) -> None:
+    """Per node: host RAM for the cache, the records in flight, the staging buffers and the runtime."""
+    host = host_memory(work, cache)
+    per_node = work.processes_per_node
+    print(f"per node: host RAM of {per_node} process(es)")
+    whole = " (the whole state)" if cache >= work.state_bytes else ""
+    _row("cache", format_bytes(host.cache), f"{format_bytes(cache * per_node)} asked{whole}")
+    _row(
+        "records in flight",
+        format_bytes(host.in_flight),
+        f"{work.prefetch_depth} read ahead + {work.write_depth} being written + 1 evicted, per process",
+    )
+    _row(
+        "staging buffers",
+        format_bytes(host.staging),
+        f"the record buffer pool, at most {format_bytes(POOL_BYTES)} a process",
+    )
+    _row(
+        "process runtime",
+        format_bytes(host.processes),
+        f"ASSUMED {format_bytes(PROCESS_BYTES)} a process (Python, JAX)",
+    )
+    note = _fits(host.total, "--host-memory", args.host_memory)
+    if args.host_memory is not None:
+        room = parse_size(args.host_memory, name="--host-memory") - (host.total - host.cache)
+        state = work.state_bytes * per_node
+        whole = f"; a --host-cache of {format_bytes(state)} holds the whole state"
+        note += whole if room >= state else f"; the largest --host-cache that fits: {format_bytes(max(0, room))}"
+    _row("total", format_bytes(host.total), note)
+    print()
+
+
+def print_paths(speeds: Sequence[PathSpeed], work: Workload, full: Prediction) -> None:
+    """Per path: its share, the bytes it moves per update, its busy time, the room it needs and has."""
+    processes_per_node = work.processes_per_node
+    needs = path_needs(speeds, record_sizes(work.state_bytes, work.subgroup_bytes), [capacity.BLOCK] * len(speeds))
+    print(
+        f"{'path':<12} {'share':>7} {'read/update':>14} {'written/update':>15} {'busy':>10} {'needs/node':>12} "
+        f"{'free':>12}"
+    )
+    for speed, share, read, written, busy, need in zip(
+        speeds, full.shares, full.bytes_read, full.bytes_written, full.path_seconds, needs, strict=True
+    ):
+        print(
+            f"{speed.name:<12} {share:>7.1%} {format_bytes(read):>14} {format_bytes(written):>15} {format_seconds(busy):>10} "
+            f"{format_bytes(need * processes_per_node):>12} {_free(speed.name, need * processes_per_node):>12}"
+        )
+    print(
+        f"(read/written: one process's, during the update; busy: the path's, for the {processes_per_node} "
+        f"process(es) of a node; needs/node: two slots of each record of the path's share, plus "
+        f"{capacity.HEADROOM:.0%} headroom; free: where the path is a directory here)\n"
+    )
+
+
+def print_update(args: argparse.Namespace, work: Workload, full: Prediction, link: float) -> None:
+    """Per update: bytes read and written, the write-back between updates, the link floor, the time."""
+    print(f"per update, one process (x{work.processes_per_node} per node)")
+    _row("read during the update", format_bytes(sum(full.bytes_read)))
+    _row("written during the update", format_bytes(sum(full.bytes_written)))
+    back = f'flush="{args.flush}": ' + ("between updates" if args.flush == "idle" else "only when evicted")
+    _row("written back from the cache", format_bytes(full.idle_write_bytes), back)
+    _row("I/O between updates", format_seconds(full.idle_io_seconds), "the write-back and the first reads ahead")
+    _row(
+        "link floor",
+        format_seconds(link_seconds(work, link)),
+        f"the state to the device and back at {link / 1e9:.3g} GB/s a device, each way (ASSUMED)",
+    )
+    _row("update", format_seconds(full.seconds))
+    print()
+
+
+def print_step(compute: Compute, full: Prediction) -> None:
+    """Per step: the forward and backward, whether the I/O between updates fits in it, the step."""
+    print("per step")
+    if compute.seconds is None:
+        _row("forward + backward", "?", compute.source)
+        _row("I/O between updates", format_seconds(full.idle_io_seconds), "assumed to fit in the forward and backward")
+        _row("update", format_seconds(full.seconds), "step: this plus the forward and backward")
+        print()
+        return
+    _row("forward + backward", format_seconds(compute.seconds), compute.source)
+    wait = full.idle_io_seconds - compute.seconds
+    fit = (
+        f"does not fit: the update waits {format_seconds(wait)} more"
+        if wait > 0
+        else "fits in the forward and backward"
+    )
+    _row("I/O between updates", format_seconds(full.idle_io_seconds), fit)
+    _row("update", format_seconds(full.seconds))
+    step = compute.seconds + full.seconds
+    throughput = f"{compute.tokens / step:.3g} tokens/s" if compute.tokens else ""
+    _row("step", format_seconds(step), throughput)
+    print()

@@ -1,0 +1,1 @@
+"""The lifecycle of one ``mlp_offload`` and the routes a call of ``update`` or ``apply`` takes."""

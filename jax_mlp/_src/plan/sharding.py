@@ -1,0 +1,142 @@
+"""Sharding: where each leaf's blocks live on the devices, and the user's sharding for the updates.
+
+A leaf on one device is one block. A sharded leaf is the shards this process owns: a replica is
+stored and updated once, by its owner, and its update is copied to the other devices holding it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from jax_mlp._src.plan import partition
+from jax_mlp._src.plan.partition import Plan, Shard
+
+BlockKey = tuple[int, int | None]
+"""An update block's key: (leaf index, owner device id), the owner None for a leaf on one device."""
+
+
+class LeafSharding(NamedTuple):
+    """Each leaf's sharding and owned shards, as at ``init`` (both None for a leaf on one device).
+
+    Attributes:
+      shardings: per leaf, its ``jax.sharding.Sharding`` if it spans devices, else None.
+      shards: per leaf, the shards this process owns (see :func:`partition.owned_shards`), or None.
+    """
+
+    shardings: tuple[jax.sharding.Sharding | None, ...]
+    shards: tuple[tuple[Shard, ...] | None, ...]
+
+    @classmethod
+    def of(cls, leaves: Sequence[Any]) -> LeafSharding:
+        """The placement of the params' leaves (arrays, or anything else for a leaf on the default device)."""
+        shards = tuple(partition.owned_shards(x) for x in leaves)
+        shardings = tuple(None if s is None else x.sharding for x, s in zip(leaves, shards, strict=True))
+        return cls(shardings, shards)
+
+    def owners(self, plan: Plan) -> list[dict[jax.Device, int] | None]:
+        """Per leaf, the owner of the block each of its devices holds (:func:`partition.block_owners`), or None."""
+        return [
+            None if sharding is None else partition.block_owners(spec.shape, sharding, shards)
+            for spec, sharding, shards in zip(plan.leaves, self.shardings, self.shards, strict=True)
+        ]
+
+    def home(self, leaves: Sequence[Any]) -> jax.Device | None:
+        """Where subgroups of leaves on one device go: that device if ``leaves`` are committed, else None.
+
+        Uncommitted inputs give uncommitted updates, so the user's params keep their commitment and
+        their jitted step does not recompile. Subgroups of sharded leaves run where their shards are.
+        """
+        first = next((x for x, sharding in zip(leaves, self.shardings, strict=True) if sharding is None), None)
+        return next(iter(first.devices())) if first is not None and first.committed else None
+
+    def devices(self, plan: Plan, leaves: Sequence[Any]) -> list[jax.Device | None]:
+        """Per subgroup, where its program runs: its shards' device, or the :meth:`home` of ``leaves``."""
+        home = self.home(leaves)
+        by_id = _devices_by_id()
+        return [home if sg.pieces[0].device is None else by_id[sg.pieces[0].device] for sg in plan.subgroups]
+
+    def block_map(self, leaves: Sequence[jax.Array]) -> dict[BlockKey, jax.Array]:
+        """Each leaf's data on each device that holds a block of it, by (leaf, device id; None: one device).
+
+        A leaf that arrives with another sharding than at ``init`` is first resharded to that one,
+        shard to shard, so each block is found on the device that owns its state.
+        """
+        blocks: dict[BlockKey, jax.Array] = {}
+        for index, (leaf, sharding) in enumerate(zip(leaves, self.shardings, strict=True)):
+            if sharding is None:
+                blocks[index, None] = leaf
+                continue
+            if not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+                leaf = jax.device_put(leaf, sharding)
+            blocks.update(((index, shard.device.id), shard.data) for shard in leaf.addressable_shards)
+        return blocks
+
+    def assemble(self, plan: Plan, results: dict[BlockKey, jax.Array]) -> list[jax.Array]:
+        """Each leaf's update: its one block, or its owned blocks assembled with the leaf's sharding.
+
+        Replicas get a device-to-device copy of their owner's block; no device ever holds more
+        than its own block.
+        """
+        leaves = []
+        for index, (spec, sharding, owners) in enumerate(
+            zip(plan.leaves, self.shardings, self.owners(plan), strict=True)
+        ):
+            if sharding is None:
+                leaves.append(results[index, None])
+                continue
+            arrays = []
+            for device, owner in owners.items():
+                block = results[index, owner]
+                arrays.append(block if block.devices() == {device} else jax.device_put(block, device))
+            leaves.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
+        return leaves
+
+    def blocks_of(self, leaf: int, shape: tuple[int, ...]) -> list[tuple[tuple[tuple[int, int], ...], jax.Device]]:
+        """Every block of a sharded leaf, over all processes, with the first device holding it.
+
+        The order is the sharding's device order, the same in every process; that first device
+        holds the block's replica 0.
+        """
+        return _first_holders(self.shardings[leaf], shape)
+
+    def written_here(self, leaf: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...] | None) -> bool:
+        """Whether this process writes ``box`` (inside one block of leaf ``leaf``, or None: all of it) to a checkpoint.
+
+        Each block is written once over all processes: by the process holding its replica 0; a leaf
+        on one device (each process has its own) by process 0, as orbax's primary host.
+        """
+        if self.shardings[leaf] is None:
+            return jax.process_index() == 0
+        corner = tuple(start for start, _ in box)
+        device = next(
+            device
+            for block, device in self.blocks_of(leaf, shape)
+            if all(lo <= at < hi for at, (lo, hi) in zip(corner, block, strict=True))
+        )
+        return device.process_index == jax.process_index()
+
+    def block_keys(self, plan: Plan, devices: Sequence[jax.Device]) -> dict[int, list[BlockKey]]:
+        """Per device, for each leaf, the key of the update block that device receives."""
+        owners = self.owners(plan)
+        return {
+            device.id: [(index, None if of is None else of[device]) for index, of in enumerate(owners)]
+            for device in devices
+        }
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_holders(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list:
+    """Each block of a leaf of ``shape`` with ``sharding``, and the first device holding it (a save asks per region)."""
+    first: dict[tuple[tuple[int, int], ...], jax.Device] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        first.setdefault(partition.shard_box(index, shape), device)
+    return list(first.items())
+
+
+@functools.cache
+def _devices_by_id() -> dict[int, jax.Device]:
+    return {device.id: device for device in jax.devices()}

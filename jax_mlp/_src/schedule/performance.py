@@ -1,0 +1,241 @@
+"""The performance model of one update: bytes each path moves, the best split over paths, the time.
+
+One update's critical path, for ``N`` records of ``r`` bytes and a cache of ``C`` records:
+
+* alternating order: the first ``C`` subgroups of a step are the last of the previous one, still
+  cached; ``N - C`` records are read and ``N - C`` dirty records are evicted (written) during the
+  update, and the ``C`` left in the cache are written back in the idle time that follows;
+* ascending order: an LRU cache smaller than the state never hits: ``N`` reads, ``N - C`` writes.
+
+A path moves its share in ``time_i = max(r, w) + serial_i * min(r, w)`` with ``r = read_i / read_bw_i``
+and ``w = write_i / write_bw_i``: ``serial = 1`` is one pipe shared by both directions (the default, and
+what the library's caps emulate), ``serial = 0`` a full-duplex device (a kernel throttle per direction,
+a network link to a PFS). The update takes the slowest path's time (or the compute time, if larger) plus the pipeline's fill.
+The scheduler splits subgroups with :func:`best_split`, so the plan and the run agree. Each path
+starts at the bandwidths it declares, or that the probe measures (:func:`starting_speed`), and the
+scheduler corrects them with what it measures while running.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from jax_mlp._src.config import Path
+from jax_mlp._src.storage.probe import ProbeResult, probe
+
+DEFAULT_BANDWIDTH = 1e9
+"""Bytes/s assumed for a path with nothing declared, probed or capped: measurement corrects it."""
+INIT_PROBE_BYTES = 64 * 1024**2
+"""Bytes the probe moves on each path at ``init`` when asked to (the ``probe`` option)."""
+
+
+class PathSpeed(NamedTuple):
+    """A path's bandwidths in bytes/s, how much its two directions get in each other's way, and its bursts.
+
+    ``serial`` is 1 for one pipe shared by reads and writes, 0 for a full-duplex device, in between
+    for a device that overlaps them in part. ``read_burst`` and ``write_burst`` are the bytes a
+    device lets through at once after idle time (a kernel throttle credits a fraction of a second
+    of its rate), which an update's busy time does not pay for.
+    """
+
+    name: str
+    read_bandwidth: float
+    write_bandwidth: float
+    serial: float = 1.0
+    read_burst: float = 0.0
+    write_burst: float = 0.0
+
+    def seconds(self, read_bytes: float, write_bytes: float) -> float:
+        """Busy time to read ``read_bytes`` and write ``write_bytes`` after idle time, both directions started together."""
+        read = max(0.0, read_bytes - self.read_burst) / self.read_bandwidth
+        write = max(0.0, write_bytes - self.write_burst) / self.write_bandwidth
+        return max(read, write) + self.serial * min(read, write)
+
+    @property
+    def seconds_per_byte(self) -> float:
+        """Busy time to read and write back one byte, bursts aside."""
+        return self._replace(read_burst=0.0, write_burst=0.0).seconds(1, 1)
+
+
+class Prediction(NamedTuple):
+    """What the model predicts for one update.
+
+    ``idle_io_seconds`` is the I/O the update leaves to the idle time around it (the write-back of the
+    cache, the first reads ahead): it has to fit in the forward and backward, or the update waits.
+    """
+
+    seconds: float
+    shares: tuple[float, ...]
+    bytes_read: tuple[float, ...]
+    bytes_written: tuple[float, ...]
+    path_seconds: tuple[float, ...]
+    idle_write_bytes: float
+    idle_io_seconds: float = 0.0
+
+
+def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
+    """Shares of the offloaded bytes per path that make all paths finish together."""
+    speeds = [1 / p.seconds_per_byte for p in paths]
+    total = sum(speeds)
+    return tuple(s / total for s in speeds)
+
+
+def measured_speed(result: ProbeResult) -> PathSpeed:
+    """A probe's measurement of a path, as the model's speed of it."""
+    return PathSpeed(result.path, result.read_bandwidth, result.write_bandwidth)
+
+
+def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
+    """A path's bandwidths before any update: declared, else probed (if asked), else its caps.
+
+    With none of these, every path starts equal; measurement while running corrects it.
+
+    Args:
+      path: the configured path.
+      run_probe: whether to measure a bandwidth the path does not declare.
+
+    Returns:
+      The path's speed.
+    """
+    read, write = path.read_bandwidth, path.write_bandwidth
+    if (read is None or write is None) and run_probe:
+        measured = probe(path, total_bytes=INIT_PROBE_BYTES)
+        read, write = read or measured.read_bandwidth, write or measured.write_bandwidth
+    read = read or path.max_read or write or path.max_write or DEFAULT_BANDWIDTH
+    write = write or path.max_write or read
+    return PathSpeed(path.name, read, write)
+
+
+def critical_records(num_records: int, cached_records: int, *, alternate: bool) -> tuple[int, int, int]:
+    """Records read and written during one update, and written back after it (idle time)."""
+    cached = min(cached_records, num_records)
+    if cached == num_records:
+        return 0, 0, num_records
+    reads = num_records - cached if alternate else num_records
+    return reads, num_records - cached, cached
+
+
+def predict(
+    paths: Sequence[PathSpeed],
+    *,
+    num_records: int,
+    record_bytes: float,
+    cache_bytes: float = 0,
+    alternate: bool = True,
+    shares: Sequence[float] | None = None,
+    compute_seconds: float = 0.0,
+    idle_seconds: float = math.inf,
+    processes_per_node: int = 1,
+    contention: float = 1.0,
+    prefetch_records: int = 0,
+    write_back: bool = True,
+) -> Prediction:
+    """Predicts one update's time and traffic.
+
+    Args:
+      paths: the paths and their bandwidths.
+      num_records: subgroups in the plan (per process).
+      record_bytes: bytes of one record.
+      cache_bytes: the host cache of each process.
+      alternate: whether the order alternates (else ascending every step).
+      shares: the split over paths (default: :func:`best_split`).
+      compute_seconds: time the pipeline needs without any I/O wait (all subgroups cached).
+      idle_seconds: time between updates (forward and backward) available for write-back.
+      processes_per_node: processes of a node that share each path.
+      contention: bandwidth kept when several processes hit a path at once with no node lock
+        (1.0 with the lock: they take turns at full speed).
+      prefetch_records: how many of the update's first reads ran in the idle time before it
+        (``prefetch_depth`` with ``idle_prefetch``): they leave its critical path for the idle time.
+      write_back: whether the cached records are written back between updates (``flush="idle"``);
+        with ``flush="lazy"`` they are written only when evicted.
+
+    Returns:
+      The prediction: time, split, and bytes per path per process.
+    """
+    shares = tuple(shares) if shares is not None else best_split(paths)
+    cached = int(cache_bytes // record_bytes) if record_bytes else 0
+    reads, writes, idle = critical_records(num_records, cached, alternate=alternate)
+    idle = idle if write_back else 0
+    early = min(reads, prefetch_records)
+    factor = processes_per_node / (contention if processes_per_node > 1 else 1.0)
+    bytes_read = tuple(s * reads * record_bytes for s in shares)
+    bytes_written = tuple(s * writes * record_bytes for s in shares)
+    path_seconds = tuple(
+        factor * p.seconds(s * (reads - early) * record_bytes, w)
+        for p, s, w in zip(paths, shares, bytes_written, strict=True)
+    )
+    idle_seconds_needed = max(
+        factor * s * record_bytes * (idle / p.write_bandwidth + early / p.read_bandwidth)
+        for p, s in zip(paths, shares, strict=True)
+    )
+    used = [p for p, s in zip(paths, shares, strict=True) if s > 0]
+    fill = record_bytes / min(p.write_bandwidth for p in used) if writes else 0.0
+    if reads and not early:
+        fill += record_bytes / min(p.read_bandwidth for p in used)
+    seconds = max(max(path_seconds), compute_seconds) + fill + max(0.0, idle_seconds_needed - idle_seconds)
+    return Prediction(
+        seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed
+    )
+
+
+class Variant(NamedTuple):
+    """One row of the ablation: which mechanisms are on.
+
+    ``balanced`` is where we go beyond the paper: the split follows measured bandwidth (and is
+    rebalanced while running) instead of a fixed ratio, and the idle time before an update
+    prefetches its first reads.
+    """
+
+    name: str
+    alternate: bool
+    multipath: bool
+    node_lock: bool
+    balanced: bool
+
+
+ABLATION = (
+    Variant("baseline", alternate=False, multipath=False, node_lock=False, balanced=False),
+    Variant("+order/cache", alternate=True, multipath=False, node_lock=False, balanced=False),
+    Variant("+multi-path", alternate=True, multipath=True, node_lock=False, balanced=False),
+    Variant("+concurrency control", alternate=True, multipath=True, node_lock=True, balanced=False),
+    Variant("full", alternate=True, multipath=True, node_lock=True, balanced=True),
+)
+
+
+def predict_variant(
+    variant: Variant,
+    paths: Sequence[PathSpeed],
+    *,
+    num_records: int,
+    record_bytes: float,
+    cache_bytes: float,
+    processes_per_node: int = 1,
+    contention: float = 0.8,
+    compute_seconds: float = 0.0,
+    idle_seconds: float = math.inf,
+    prefetch_depth: int = 1,
+    write_back: bool = True,
+) -> Prediction:
+    """The prediction for one ablation variant.
+
+    The baseline uses the first path with no cache; without ``balanced`` the split is equal
+    (a fixed ratio, as in the paper) and nothing is prefetched in idle time; with it, the first
+    ``prefetch_depth`` reads of the update are. ``write_back`` is as for :func:`predict`.
+    """
+    used = tuple(paths) if variant.multipath else tuple(paths[:1])
+    return predict(
+        used,
+        num_records=num_records,
+        record_bytes=record_bytes,
+        cache_bytes=cache_bytes if variant.alternate else 0,
+        alternate=variant.alternate,
+        shares=None if variant.balanced else tuple(1 / len(used) for _ in used),
+        compute_seconds=compute_seconds,
+        idle_seconds=idle_seconds,
+        processes_per_node=processes_per_node,
+        contention=1.0 if variant.node_lock else contention,
+        prefetch_records=prefetch_depth if variant.balanced else 0,
+        write_back=write_back,
+    )

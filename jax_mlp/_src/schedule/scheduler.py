@@ -1,0 +1,421 @@
+"""The policy: the order subgroups are updated in, which path holds each one, and when to move them.
+
+* **Order.** ``"alternate"`` runs ascending on even steps and descending on odd ones, so the
+  subgroups updated last in one step are still in the host cache when the next step starts with
+  them. ``"ascending"`` is the baseline.
+* **Placement.** Subgroups are spread over the paths in the shares of :func:`~jax_mlp._src.schedule.performance.best_split`,
+  interleaved in update order (a smooth weighted round robin by bytes), so consecutive reads hit
+  different paths at once. ``"round_robin"`` splits them equally, like a fixed ratio.
+* **Rebalancing.** After each update every path reports its bytes and busy time per direction
+  (:class:`~jax_mlp._src.storage.traffic.Usage`). :class:`PathEstimate` fits each direction's rate and
+  the burst a throttle lets through after idle time to the last updates, with medians, so one odd
+  update does not move it and a lightly loaded path does not look fast; and it keeps how far the
+  two directions get in each other's way. A path has changed (another job, a new cap) when two
+  updates in a row move a load 1.5× outside all the window saw for that load; then its window
+  starts again. From these the scheduler predicts the next updates: the records the host cache
+  serves are not read, and a moved record is still read from its old path in the update that
+  moves it. Until every rate is fitted across
+  loads, a move goes halfway to the split it computes. It moves subgroups only when the
+  predicted gain is above a tenth of the update and above the extra time of the moving update, and
+  a moved subgroup stays put for a few updates, so the placement settles instead of swinging.
+  Records never go back the way others came (from the path they were moved to, to the one they
+  left) until some path's measurements change: a throttle lets a lightly loaded path look faster
+  than it is (it lets a burst through after each pause), so the path that gave records away looks
+  fast and would get them back, update after update. Moves are on trial: if the two settled
+  updates after them measure more than a tenth slower than the ones before, they are undone, and
+  nothing moves until a path changes. A moved subgroup is written to its new path at its next
+  write-back, which happens every step anyway: a move costs no extra bytes.
+* **Fallback.** Once the placement has settled, if the measured updates are slower than the model
+  predicts for the fastest path alone (paths that interfere, a model that misses something), every
+  subgroup moves to that path and rebalancing stops: multi-path is never worse than one path.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from jax_mlp._src.schedule.estimates import CHANGE, WINDOW, PathEstimate, directions, far
+from jax_mlp._src.schedule.performance import PathSpeed, best_split
+from jax_mlp._src.storage.traffic import Usage
+
+MIN_GAIN = 0.10
+"""Fraction of the predicted update a new placement must save before subgroups move."""
+HOLD = 4
+"""Updates a moved subgroup stays on the path it was moved to."""
+SIGNIFICANT = 0.5
+"""Of the update's longest busy time, what a direction must take (measured or predicted) for its surprise to count."""
+_ROUNDINGS = (round, math.floor, math.ceil)
+
+
+class Measured(NamedTuple):
+    """One update as the step measured it: its wall time, and the part of it spent waiting on I/O."""
+
+    seconds: float
+    io_wait: float
+
+
+class Trial(NamedTuple):
+    """Moves on trial: the placement and shares before them, and the measured update (the median of the
+    settled ones before them) they have to beat."""
+
+    previous: list[int]
+    shares: tuple[float, ...]
+    before: float
+
+
+def weighted_interleave(record_bytes: Sequence[int], shares: Sequence[float]) -> list[int]:
+    """Assigns records to paths in proportion to ``shares`` of bytes, interleaved in index order."""
+    credit = [0.0] * len(shares)
+    placement = []
+    for nbytes in record_bytes:
+        for index, share in enumerate(shares):
+            credit[index] += share * nbytes
+        chosen = max(range(len(shares)), key=lambda i: credit[i])
+        credit[chosen] -= nbytes
+        placement.append(chosen)
+    return placement
+
+
+def shift_placement(
+    placement: Sequence[int],
+    record_bytes: Sequence[int],
+    shares: Sequence[float],
+    movable: Sequence[bool] | None = None,
+    rounding: Callable[[float], int] = round,
+) -> list[int]:
+    """Moves as few records as it takes to reach ``shares``, spread evenly along the update order.
+
+    Only records whose ``movable`` is true move (all, by default). ``rounding`` turns the records a
+    path holds too many into a whole count.
+    """
+    placement = list(placement)
+    movable = movable or [True] * len(placement)
+    total = sum(record_bytes)
+    deficit = [share * total for share in shares]
+    for index, nbytes in zip(placement, record_bytes, strict=True):
+        deficit[index] -= nbytes
+    for source in range(len(shares)):
+        mine = [k for k, p in enumerate(placement) if p == source and movable[k]]
+        if deficit[source] >= 0 or not mine:
+            continue
+        count = min(len(mine), rounding(-deficit[source] / (sum(record_bytes[k] for k in mine) / len(mine))))
+        for j in range(count):
+            subgroup = mine[int((j + 0.5) * len(mine) / count)]
+            target = max(range(len(shares)), key=lambda i: deficit[i])
+            if deficit[target] <= 0:
+                break
+            placement[subgroup] = target
+            deficit[target] -= record_bytes[subgroup]
+            deficit[source] += record_bytes[subgroup]
+    return placement
+
+
+class Loads:
+    """The bytes each record adds to its path during an update, averaged over the next two steps' orders.
+
+    Args:
+      read: bytes each record is read for during an update (0 when the host cache serves it).
+      write: bytes each record is written for during an update (0 when written back in idle time).
+    """
+
+    def __init__(self, read: Sequence[float], write: Sequence[float]):
+        self.read, self.write = list(read), list(write)
+
+    def seconds(self, speeds: Sequence[PathSpeed], read_from: Sequence[int], write_to: Sequence[int]) -> float:
+        """The slowest path's busy time, records read from ``read_from`` and written to ``write_to``."""
+        read, write = [0.0] * len(speeds), [0.0] * len(speeds)
+        for k, (source, target) in enumerate(zip(read_from, write_to, strict=True)):
+            read[source] += self.read[k]
+            write[target] += self.write[k]
+        return max(speed.seconds(r, w) for speed, r, w in zip(speeds, read, write, strict=True))
+
+    def shares(self, speeds: Sequence[PathSpeed]) -> tuple[float, ...]:
+        """Shares of the records per path that make all paths finish together.
+
+        Found by bisection on the common finishing time, since a burst makes a path's time
+        not proportional to its share.
+        """
+        read, write = sum(self.read), sum(self.write)
+
+        def share_within(speed: PathSpeed, seconds: float) -> float:
+            low, high = 0.0, 1.0
+            for _ in range(40):
+                middle = (low + high) / 2
+                low, high = (middle, high) if speed.seconds(middle * read, middle * write) <= seconds else (low, middle)
+            return low
+
+        low, high = 0.0, min(speed.seconds(read, write) for speed in speeds)
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (low, middle) if sum(share_within(s, middle) for s in speeds) >= 1 else (middle, high)
+        shares = [share_within(speed, high) for speed in speeds]
+        return tuple(share / sum(shares) for share in shares)
+
+
+class Scheduler:
+    """Order, placement and rebalancing for one plan.
+
+    Args:
+      record_bytes: the size of each subgroup's record.
+      speeds: the starting estimate of each path's bandwidths.
+      order: ``"alternate"`` or ``"ascending"``.
+      placement: ``"bandwidth"`` (split by the model, rebalanced) or ``"round_robin"`` (equal, fixed).
+      rebalance: whether the split follows measured throughput.
+    """
+
+    def __init__(
+        self,
+        record_bytes: Sequence[int],
+        speeds: Sequence[PathSpeed],
+        *,
+        order: str = "alternate",
+        placement: str = "bandwidth",
+        rebalance: bool = True,
+    ):
+        self.record_bytes = list(record_bytes)
+        self.estimates = [PathEstimate(speed) for speed in speeds]
+        self.order_kind = order
+        self.balanced = placement == "bandwidth"
+        self.rebalance = rebalance and self.balanced
+        self.shares = best_split(speeds) if self.balanced else tuple(1 / len(speeds) for _ in speeds)
+        self.placement = weighted_interleave(self.record_bytes, self.shares)
+        self.moves = 0
+        self.last_moves = 0
+        self.updates = 0
+        self.fallback = False
+        self._moved_at = [-HOLD] * len(self.record_bytes)
+        self._flows: set[tuple[int, int]] = set()  # (from, to) paths records moved along since the last change
+        self._trial: Trial | None = None
+        self._settled: collections.deque[Measured] = collections.deque(maxlen=WINDOW)
+
+    @property
+    def speeds(self) -> list[PathSpeed]:
+        """Each path's current estimate."""
+        return [estimate.speed for estimate in self.estimates]
+
+    def order(self, step: int) -> list[int]:
+        """The order in which step ``step`` updates the subgroups."""
+        ascending = list(range(len(self.record_bytes)))
+        return ascending[::-1] if self.order_kind == "alternate" and step % 2 else ascending
+
+    def loads(self, cache_bytes: int) -> Loads:
+        """What each record adds to its path's busy time in an update, with a host cache of ``cache_bytes``.
+
+        In each step's order the records that fit in the cache are the ones the previous step
+        updated last: with the alternating order they are its first, served from the cache; with
+        the ascending order they are evicted before they are reached. Records evicted during the
+        update (all but the last that fit) are written during it; the rest in the idle time after.
+        """
+        read, write = [0.0] * len(self.record_bytes), [0.0] * len(self.record_bytes)
+        for step in (0, 1):
+            order = self.order(step)
+            cached = _fitting(order, self.record_bytes, cache_bytes)
+            if cached == len(order):
+                continue
+            for k in order[cached if self.order_kind == "alternate" else 0 :]:
+                read[k] += self.record_bytes[k] / 2
+            for k in order[: len(order) - cached]:
+                write[k] += self.record_bytes[k] / 2
+        return Loads(read, write)
+
+    def observe(self, usages: Sequence[Usage], cache_bytes: int = 0, measured: Measured | None = None) -> None:
+        """Learns from what each path moved since the last call, and moves subgroups if that pays.
+
+        Args:
+          usages: each path's usage since the last call, in path order.
+          cache_bytes: the host cache, whose records the next updates do not read.
+          measured: the update's wall time and I/O wait, which trials and the fallback compare.
+        """
+        changed = self._learn(usages)
+        loads = self.loads(cache_bytes)
+        if not self.rebalance or not self._measured(loads):
+            return
+        if measured is not None and not changed and self.updates - max(self._moved_at) > 1:  # not a moving update
+            self._settled.append(measured)
+        if self._trial is not None and self._judge(self._trial):
+            return
+        speeds = self.speeds
+        shares, placement = self._proposal(loads, speeds, changed)
+        if self._pays(loads, speeds, placement):
+            self._put_on_trial(changed)
+            self._move(shares, placement)
+        elif len(self._settled) == WINDOW:
+            self._fall_back_if_slower(loads, speeds)
+
+    def _learn(self, usages: Sequence[Usage]) -> bool:
+        """Adds each path's usage to its estimate; a path that changed makes the settled updates and flows moot.
+
+        Returns:
+          Whether a path changed.
+        """
+        offs = [estimate.surprise(usage) for estimate, usage in zip(self.estimates, usages, strict=True)]
+        for estimate, usage, off in zip(self.estimates, usages, _local(_significant(offs, usages)), strict=True):
+            estimate.add(usage, off)
+        self.updates += 1
+        self.last_moves = 0
+        changed = any(estimate.changed for estimate in self.estimates)
+        if changed:
+            self._settled.clear()
+            self._flows.clear()
+        return changed
+
+    def _proposal(
+        self, loads: Loads, speeds: Sequence[PathSpeed], changed: bool
+    ) -> tuple[tuple[float, ...], list[int]]:
+        """The shares the estimates call for, and the placement of whole, movable records closest to them.
+
+        Until the rates are fitted across loads (bursts inflate them), the shares go halfway from the
+        held ones, which varies the loads. A record moved fewer than ``HOLD`` updates ago stays, unless
+        a path changed; records never go back the way others came (:meth:`_without_reversals`).
+        """
+        shares = loads.shares(speeds)
+        if not changed and not self._fitted(loads):
+            held = self.held_shares()
+            shares = tuple((a + b) / 2 for a, b in zip(held, shares, strict=True))
+        movable = [changed or self.updates - moved >= HOLD for moved in self._moved_at]
+        placement = min(  # whole records: the split's count rounded either way, whichever predicts faster
+            (
+                self._without_reversals(shift_placement(self.placement, self.record_bytes, shares, movable, rounding))
+                for rounding in _ROUNDINGS
+            ),
+            key=lambda candidate: loads.seconds(speeds, candidate, candidate),
+        )
+        return shares, placement
+
+    def _pays(self, loads: Loads, speeds: Sequence[PathSpeed], placement: list[int]) -> bool:
+        """Whether ``placement`` is predicted to save more than ``MIN_GAIN`` of the update and the moving update's cost.
+
+        The moving update still reads each moved record from its old path.
+        """
+        now = loads.seconds(speeds, self.placement, self.placement)
+        gain = now - loads.seconds(speeds, placement, placement)
+        moving = loads.seconds(speeds, self.placement, placement) - now
+        return gain > MIN_GAIN * now and gain > moving
+
+    def _put_on_trial(self, changed: bool) -> None:
+        """Puts the coming moves on trial against the settled updates before them (moves in a row are judged
+        together, against the first's); the updates before a change say nothing of the split after it."""
+        if changed:
+            self._trial = None
+        elif self._trial is None and self._settled:
+            self._trial = Trial(self.placement, self.shares, statistics.median(m.seconds for m in self._settled))
+
+    def _fall_back_if_slower(self, loads: Loads, speeds: Sequence[PathSpeed]) -> None:
+        """Moves everything to the fastest path if the settled updates took longer than it alone would.
+
+        One path's update is predicted as its I/O time plus the update's time not spent waiting on
+        I/O, as if none of them overlapped: an upper bound, so a fallback is never for a small error.
+        """
+        alone = [
+            loads.seconds(speeds, [i] * len(self.placement), [i] * len(self.placement)) for i in range(len(speeds))
+        ]
+        fastest = min(range(len(speeds)), key=alone.__getitem__)
+        seconds = statistics.median(m.seconds for m in self._settled)
+        rest = statistics.median(m.seconds - m.io_wait for m in self._settled)
+        if seconds > (1 + MIN_GAIN) * (alone[fastest] + rest):
+            self._move(tuple(float(i == fastest) for i in range(len(speeds))), [fastest] * len(self.placement))
+            self.rebalance, self.fallback = False, True
+
+    def _judge(self, trial: Trial) -> bool:
+        """Undoes the moves on trial if the first two settled updates after them were slower than before.
+
+        The model predicted a gain and the measurement says otherwise: the measurement wins. Undoing them
+        leaves records moved both ways between the paths, so nothing moves until a path changes.
+
+        Returns:
+          Whether it undid them.
+        """
+        if len(self._settled) < 2:
+            return False
+        self._trial = None
+        if statistics.median(m.seconds for m in self._settled) <= (1 + MIN_GAIN) * trial.before:
+            return False
+        self._move(trial.shares, trial.previous)
+        return True
+
+    def _without_reversals(self, placement: list[int]) -> list[int]:
+        """``placement`` with each record kept where it is if moving it would go back the way records came.
+
+        Since the last change no path's estimate moved by more than its noise, so a move back would
+        follow the estimates' bias (a lightly loaded throttle looks fast), not the paths.
+        """
+        return [now if (new, now) in self._flows else new for now, new in zip(self.placement, placement, strict=True)]
+
+    def _move(self, shares: tuple[float, ...], placement: list[int]) -> None:
+        """Takes the new placement, noting which subgroups moved, when, and along which paths."""
+        moved = [k for k, (a, b) in enumerate(zip(self.placement, placement, strict=True)) if a != b]
+        for k in moved:
+            self._moved_at[k] = self.updates
+            self._flows.add((self.placement[k], placement[k]))
+        self.last_moves = len(moved)
+        self.moves += len(moved)
+        self.shares, self.placement = shares, placement
+        self._settled.clear()
+
+    def held_shares(self) -> tuple[float, ...]:
+        """Each path's share of the records' bytes in the current placement."""
+        held = [0.0] * len(self.estimates)
+        for path, nbytes in zip(self.placement, self.record_bytes, strict=True):
+            held[path] += nbytes
+        return tuple(b / sum(self.record_bytes) for b in held)
+
+    def _fitted(self, loads: Loads) -> bool:
+        """Whether every path's rate of each direction the updates use is fitted across loads."""
+        kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
+        return all(estimate.fitted(kind) for estimate in self.estimates for kind in kinds)
+
+    def _measured(self, loads: Loads) -> bool:
+        """Whether every path has enough measurements of each direction the updates use."""
+        kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
+        return bool(kinds) and all(estimate.measured(kind) for estimate in self.estimates for kind in kinds)
+
+
+def _significant(offs: Sequence[dict[str, float]], usages: Sequence[Usage]) -> list[dict[str, float]]:
+    """Each path's surprises, without those of directions too lightly loaded to matter.
+
+    A throttle lets a lightly loaded path through in bursts (a slice of its rate after each pause),
+    so its busy time swings several times either way from one update to the next. A direction that
+    took under ``SIGNIFICANT`` of the longest busy time of the update, and would have under it at
+    the edge of what it did before (its time over its surprise), does not decide it: its surprise
+    counts as none.
+    """
+    busy = [{kind: seconds for kind, _, seconds in directions(usage)} for usage in usages]
+    longest = max((seconds for directions in busy for seconds in directions.values()), default=0.0)
+    return [
+        {
+            kind: ratio if max(mine[kind], mine[kind] / ratio) >= SIGNIFICANT * longest else 1.0
+            for kind, ratio in off.items()
+        }
+        for off, mine in zip(offs, busy, strict=True)
+    ]
+
+
+def _local(offs: Sequence[dict[str, float]]) -> list[dict[str, float]]:
+    """Each path's surprises, without those every path shares: all paths off together is the machine, not a path.
+
+    A direction counts as off only if no other path is off in the same sense by ``CHANGE`` or more.
+    """
+    local = []
+    for i, off in enumerate(offs):
+        others = [other for j, other in enumerate(offs) if j != i]
+        local.append(
+            {
+                kind: 1.0 if any(far(o[kind]) >= CHANGE and (o[kind] - 1) * (ratio - 1) > 0 for o in others) else ratio
+                for kind, ratio in off.items()
+            }
+        )
+    return local
+
+
+def _fitting(order: Sequence[int], record_bytes: Sequence[int], cache_bytes: int) -> int:
+    """How many of the first records of ``order`` fit in ``cache_bytes`` together."""
+    total = 0
+    for count, k in enumerate(order):
+        total += record_bytes[k]
+        if total > cache_bytes:
+            return count
+    return len(order)

@@ -1,0 +1,97 @@
+"""The bandwidth probe: write and read records through the same tier code that training uses.
+
+Records go to a scratch directory on the path (``.jax_mlp_probe``) through a :class:`PathStore`
+with the path's own caps and in-flight limit, several at once. Between writing and reading, a
+local directory's files are synced and dropped from the page cache (``posix_fadvise``), so the
+reads come from the device. The scratch directory is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from jax_mlp._src.config import Path
+from jax_mlp._src.storage.paths import open_path
+from jax_mlp._src.storage.record import new_record, seal
+
+PROBE_DIRECTORY = ".jax_mlp_probe"
+
+
+class ProbeResult(NamedTuple):
+    """One path's measured bandwidths.
+
+    Attributes:
+      path: the path's name.
+      read_bandwidth: bytes/s read.
+      write_bandwidth: bytes/s written.
+      nbytes: bytes moved each way.
+    """
+
+    path: str
+    read_bandwidth: float
+    write_bandwidth: float
+    nbytes: int
+
+
+def _scratch(path: Path) -> Path:
+    location = path.location
+    if isinstance(location, dict):
+        prefix = location.get("path", "").rstrip("/")
+        scratch = {**location, "path": f"{prefix}/{PROBE_DIRECTORY}/" if prefix else f"{PROBE_DIRECTORY}/"}
+    else:
+        scratch = os.path.join(location, PROBE_DIRECTORY)
+    return Path(scratch, max_read=path.max_read, max_write=path.max_write)
+
+
+def drop_page_cache(directory: str) -> None:
+    """Syncs every file under ``directory`` and drops it from the page cache, so reads come from the device."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _timed(calls: list, inflight: int) -> float:
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(inflight) as pool:
+        list(pool.map(lambda call: call(), calls))
+    return time.perf_counter() - start
+
+
+def probe(
+    path: Path, *, total_bytes: int = 256 * 1024**2, record_bytes: int = 16 * 1024**2, inflight: int = 4
+) -> ProbeResult:
+    """Measures a path's write and read bandwidth with records like training's.
+
+    Args:
+      path: the path to measure (its caps apply, as in training).
+      total_bytes: bytes written and then read back.
+      record_bytes: the size of each record.
+      inflight: records in flight at once.
+
+    Returns:
+      The measured bandwidths in bytes/s.
+    """
+    store = open_path(_scratch(path), max_inflight=inflight)
+    count = max(1, total_bytes // record_bytes)
+    record = new_record(record_bytes)
+    record[64:] = np.random.default_rng(0).integers(0, 256, record_bytes, dtype=np.uint8)
+    seal(record, 0, bytes(16))
+    try:
+        written = _timed([lambda k=k: store.write(k, 0, record) for k in range(count)], inflight)
+        if not isinstance(path.location, dict):
+            drop_page_cache(store.directory)
+        read = _timed([lambda k=k: store.read(k, 0) for k in range(count)], inflight)
+    finally:
+        store.remove()
+    nbytes = count * record.nbytes
+    return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes)

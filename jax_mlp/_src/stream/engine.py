@@ -1,0 +1,200 @@
+"""The pipeline: reads ahead on reader threads, computes on the caller's thread, writes behind.
+
+The engine is policy-free: it is handed an order and three callables and knows nothing of optax,
+records or paths. Every error raised on any thread reaches the caller of :meth:`Engine.pipeline`, and
+every wait is bounded by ``io_timeout``, so a failure never hangs.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+from jax_mlp._src.errors import OffloadError
+
+
+class Timings(NamedTuple):
+    """Where one pipeline run spent its wall time, in seconds."""
+
+    total: float
+    read_wait: float
+    compute: float
+    write_wait: float
+
+
+class Engine:
+    """Thread pools and bounded queues that stream subgroups through a computation.
+
+    Args:
+      prefetch_depth: subgroups read ahead of the one being computed (reader threads).
+      write_depth: computed subgroups whose stores may be in flight at once (writer threads).
+      io_timeout: seconds a single read or store may take before it counts as hung.
+    """
+
+    def __init__(self, prefetch_depth: int, write_depth: int, io_timeout: float):
+        self.prefetch_depth = prefetch_depth
+        self.write_depth = write_depth
+        self.io_timeout = io_timeout
+        self._readers = concurrent.futures.ThreadPoolExecutor(prefetch_depth, thread_name_prefix="jax_mlp-read")
+        self._writers = concurrent.futures.ThreadPoolExecutor(write_depth, thread_name_prefix="jax_mlp-write")
+        self._background: list[concurrent.futures.Future] = []
+
+    def result(self, future: concurrent.futures.Future, what: str) -> Any:
+        """The future's result, waiting at most ``io_timeout``; ``what`` names it in the error."""
+        try:
+            return future.result(timeout=self.io_timeout)
+        except concurrent.futures.TimeoutError:
+            raise OffloadError(
+                f"{what} did not finish within io_timeout={self.io_timeout:g}s; the storage path may be hung: "
+                "check its device or mount, or raise io_timeout for a slow path"
+            ) from None
+
+    def settle(self, futures: Iterable[concurrent.futures.Future]) -> None:
+        """Cancels what has not started and waits (bounded) for the rest, ignoring their errors."""
+        futures = list(futures)
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures, timeout=self.io_timeout)
+
+    def pipeline(
+        self,
+        order: Iterable[int],
+        fetch: Callable[[int], Any],
+        compute: Callable[[int, Any], Any],
+        store: Callable[[int, Any], None],
+        describe: Callable[[int], str] = "subgroup {}".format,
+    ) -> Timings:
+        """Runs ``store(k, compute(k, fetch(k)))`` for each ``k`` in ``order``, pipelined.
+
+        ``fetch`` runs on reader threads up to ``prefetch_depth`` ahead, ``compute`` on this thread
+        in order, and ``store`` on writer threads with at most ``write_depth`` in flight. All stores
+        have finished when ``pipeline`` returns. ``describe(k)`` names ``k`` (and where it lives) in a
+        timeout's message.
+
+        Returns:
+          The time spent waiting on reads, computing, and waiting on writes.
+
+        Raises:
+          The first exception raised by any of the callables, after the others have settled.
+        """
+        start = time.perf_counter()
+        read_wait = compute_time = write_wait = 0.0
+        reads = _ReadQueue(self._readers, fetch, order, self.prefetch_depth)
+        writes: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        try:
+            for key, future in reads:
+                t0 = time.perf_counter()
+                fetched = self.result(future, f"reading {describe(key)}")
+                del future  # it holds the fetched fields too, which must go with ``fetched``
+                t1 = time.perf_counter()
+                computed = compute(key, fetched)
+                del fetched
+                t2 = time.perf_counter()
+                self._drain(writes, self.write_depth - 1, describe)
+                t3 = time.perf_counter()
+                writes.append((key, self._writers.submit(store, key, computed)))
+                del computed
+                read_wait += t1 - t0
+                compute_time += t2 - t1
+                write_wait += t3 - t2
+            t4 = time.perf_counter()
+            self._drain(writes, 0, describe)
+            write_wait += time.perf_counter() - t4
+        except BaseException:
+            self.settle([f for _, f in reads.pending] + [f for _, f in writes])
+            raise
+        return Timings(time.perf_counter() - start, read_wait, compute_time, write_wait)
+
+    def _drain(self, writes: collections.deque, keep: int, describe: Callable[[int], str]) -> None:
+        """Waits for the oldest stores until at most ``keep`` are in flight."""
+        while len(writes) > keep:
+            key, future = writes.popleft()
+            self.result(future, f"storing {describe(key)}")
+
+    def read_ahead(self, fetch: Callable[[int], Any], key: int) -> concurrent.futures.Future:
+        """Runs ``fetch(key)`` on a reader thread now, for a later :meth:`pipeline` to collect (idle-time reads)."""
+        return self._readers.submit(fetch, key)
+
+    def write_behind(self, store: Callable[[int, Any], None], key: int, value: Any) -> None:
+        """Runs ``store(key, value)`` on a writer thread after the current pipeline (idle-time writes)."""
+        self._background.append(self._writers.submit(store, key, value))
+
+    def background_done(self) -> bool:
+        """Whether the background work has finished (its errors are raised by :meth:`wait_background`)."""
+        return all(future.done() for future in self._background)
+
+    def wait_background(self) -> float:
+        """Waits for background work; re-raises its first error. Returns the seconds waited."""
+        start = time.perf_counter()
+        background, self._background = self._background, []
+        try:
+            for future in background:
+                self.result(future, "writing back a cached subgroup")
+        except BaseException:
+            self.settle(background)
+            raise
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stops the threads; work not yet started is dropped."""
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        self._writers.shutdown(wait=False, cancel_futures=True)
+
+
+class _ReadQueue:
+    """The reads of one run in order, submitted up to ``depth`` ahead of the one being consumed."""
+
+    def __init__(self, readers: Any, fetch: Callable[[int], Any], order: Iterable[int], depth: int):
+        self._readers, self._fetch, self._depth = readers, fetch, depth
+        self._order = iter(order)
+        self.pending: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while len(self.pending) < self._depth:
+            key = next(self._order, None)
+            if key is None:
+                return
+            self.pending.append((key, self._readers.submit(self._fetch, key)))
+
+    def __iter__(self) -> Iterator[tuple[int, concurrent.futures.Future]]:
+        while self.pending:
+            item = self.pending.popleft()
+            self._top_up()
+            yield item
+
+
+class ReadAhead:
+    """Reads started before a run, for the run's fetches to take: futures by key, behind a lock.
+
+    Reader threads take from it while the caller may still add or settle, so it is the one owner
+    of those futures.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: dict[int, concurrent.futures.Future] = {}
+
+    def add(self, key: int, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._futures[key] = future
+
+    def take(self, key: int) -> concurrent.futures.Future | None:
+        """The read of ``key`` started ahead, now owned by the caller, or None."""
+        with self._lock:
+            return self._futures.pop(key, None)
+
+    def keys(self) -> tuple[int, ...]:
+        """The keys read ahead and not yet taken, in the order they were started."""
+        with self._lock:
+            return tuple(self._futures)
+
+    def take_all(self) -> list[concurrent.futures.Future]:
+        """Every read not yet taken (to settle them)."""
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+            return futures

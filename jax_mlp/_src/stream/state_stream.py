@@ -1,0 +1,391 @@
+"""One update as a transaction, and the state stream that runs them.
+
+:class:`StateStream` is given everything an initialised offloader streams with: the plan's
+programs, the scheduler, the tiers and the engine. Each update is a :class:`Transaction`: ``begin``
+settles the idle-time I/O and remembers where every record was, ``_stream`` runs the subgroups
+through the engine, and either ``end`` commits the step (stats, scheduler feedback, idle-time
+write-back and prefetch) or ``abort`` forgets every trace of it, so the previous step stays intact.
+:meth:`StateStream.update` is that sequence, for the eager and the in-jit route alike; the two
+differ only in their :class:`~jax_mlp._src.stream.blocks.Blocks` and :class:`Route`. The fused apply
+runs it too, with the :data:`LATE_PUT` route and :class:`~jax_mlp._src.stream.blocks.NewParams`
+keeping its results.
+
+The engine calls back up through callables: an update hands it this module's ``fetch`` (on reader
+threads; idle-time reads ahead call the same one), ``compute`` (on the caller's thread) and ``store``
+(on writer threads). Filling the tiers at init, restore or resume hands it its own fetch (nothing,
+or a checkpoint's reads) and compute, with the same store. The tier stack is told each record's path
+as data and returns what it moved, which the stream counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jax_mlp._src import peers
+from jax_mlp._src.config import OffloadConfig
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.plan.programs import Programs
+from jax_mlp._src.plan.sharding import BlockKey
+from jax_mlp._src.schedule.scheduler import Measured, Scheduler
+from jax_mlp._src.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
+from jax_mlp._src.storage.capacity import check_capacity
+from jax_mlp._src.storage.paths import release_paths
+from jax_mlp._src.storage.record import HEADER_SIZE
+from jax_mlp._src.storage.tier_stack import Locations, Pin, TierStack
+from jax_mlp._src.stream.blocks import Blocks, NewParams, UpdateBlocks
+from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings
+from jax_mlp._src.stream.idle import IdleIO
+from jax_mlp._src.stream.transfer import choose
+
+logger = logging.getLogger(__name__)
+
+
+class Route(NamedTuple):
+    """On which threads a route moves a subgroup's fields between host and device (by the stream's transfer).
+
+    Attributes:
+      put_on_reader: the reader thread puts the fetched fields on the device; else the compute thread
+        does, just before their program runs.
+      get_on_compute: the compute thread brings the new fields back to the host; else the writer does.
+    """
+
+    put_on_reader: bool
+    get_on_compute: bool
+
+
+EAGER = Route(put_on_reader=True, get_on_compute=False)
+"""The eager route: readers put the fields on the device, writers bring the results back."""
+
+LATE_PUT = Route(put_on_reader=False, get_on_compute=False)
+"""The fused apply's route: fetched fields stay on the host until their program is about to run,
+so the device holds one subgroup's fields besides the writes in flight, never the reads ahead."""
+
+IN_CALLBACK = Route(put_on_reader=False, get_on_compute=True)
+"""Streaming inside a device's host callback: a CPU device then runs only work that the callback's
+own thread puts on it and waits for, so transfers and results stay on that thread."""
+
+
+class Transaction(NamedTuple):
+    """One update in progress: the step it starts from, its placement, and what to restore if it fails.
+
+    Attributes:
+      step: the step the tiers hold, which the update starts from.
+      placement: the path index each subgroup's new record goes to.
+      ahead: the records read ahead in idle time, for this update's fetches to take.
+      locations: where every stored record was before the update.
+      background_wait: seconds waited for the previous update's idle-time writes.
+    """
+
+    step: int
+    placement: tuple[int, ...]
+    ahead: ReadAhead
+    locations: Locations
+    background_wait: float
+
+
+Results = UpdateBlocks | NewParams
+
+
+class StateStream:
+    """The offloaded state of one plan, streamed through the devices one transaction at a time.
+
+    Args:
+      config: the offload's options.
+      plan: the subgroups.
+      programs: the plan's subgroup programs.
+      scheduler: the order and placement policy.
+      tiers: the host cache in front of the opened paths.
+      engine: the reader and writer threads.
+      peer_key: names this offloader alike in every process, for barriers.
+      on_stats: called with each update's stats; its errors are logged, never raised.
+      init_notes: fields added to the stats of the init or restore (the optimizer check's).
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        plan: Plan,
+        programs: Programs,
+        scheduler: Scheduler,
+        tiers: TierStack,
+        engine: Engine,
+        *,
+        peer_key: str,
+        on_stats: Callable[[UpdateStats], None] | None,
+        init_notes: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        self.config = config
+        self.plan = plan
+        self.programs = programs
+        self.scheduler = scheduler
+        self.tiers = tiers
+        self.engine = engine
+        self.counters = IOCounters([p.root for p in tiers.paths])
+        self.step = 0
+        self.shared: list[np.ndarray] = []  # the shared state leaves at ``step``, once the tiers hold it
+        self.last_stats: UpdateStats | None = None
+        self._record_bytes = [HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups]
+        self._peer_key = peer_key
+        self._on_stats = on_stats
+        self._init_notes = init_notes
+        self.idle = IdleIO(config, scheduler, tiers, engine, self.counters, self._fetch)
+        self.transfer = choose(config.transfer, jax.local_devices())
+        self._total_compiles = 0
+
+    # ----------------------------------------------------------------------------- filling the tiers
+
+    def write_initial_state(self, params: Mapping[BlockKey, jax.Array], devices: Sequence[jax.Device | None]) -> None:
+        """Streams the initial state (and master params) of the param blocks ``params`` out, at step 0.
+
+        ``devices`` gives each subgroup's device, as in :class:`~jax_mlp._src.stream.blocks.Blocks`.
+        """
+
+        def compute(index: int, _: None) -> tuple:
+            subgroup = self.plan.subgroups[index]
+            return self.programs.init(subgroup, [params[p.leaf, p.device] for p in subgroup.pieces], devices[index])
+
+        self._populate(0, lambda _: None, compute)
+
+    def write_restored_state(self, step: int, load: Callable[[int], tuple]) -> None:
+        """Streams a given state at ``step`` in; ``load(k)`` gives subgroup k's (state, master) leaves."""
+        self._populate(step, load, lambda _, loaded: loaded)
+
+    def resume_at(self, step: int, locations: dict[int, int]) -> None:
+        """Takes up the tiers at ``step``, complete on storage with each subgroup's record where ``locations`` says.
+
+        The shared state is read from the first subgroup's record; that read counts towards no update.
+        """
+        self.tiers.restore(Locations(locations, ()))
+        self.step = step
+        first = self.plan.subgroups[0]
+        self.shared = [
+            np.array(x) for x in self.programs.shared_of(first, self.tiers.fetch(first.index, step).fields[0])
+        ]
+
+    def _populate(self, step: int, fetch: Callable[[int], Any], compute: Callable[[int, Any], tuple]) -> None:
+        """Streams a whole state at ``step`` into the tiers through the pipeline.
+
+        Records go out in the order of step ``step - 1``, so the cache keeps what step ``step``
+        updates first. Before the first one, each path's free space is checked against its share.
+        """
+        placement = tuple(self.scheduler.placement)
+        check_capacity(self.tiers.paths, self._record_bytes, placement)
+        compiles = compiles_on_this_thread()
+        self.step = step  # the cache and idle-time prefetch started by _finish work at this step
+        order = self.scheduler.order(step - 1)
+
+        def compute_noting_shared(index: int, fetched: Any) -> tuple:
+            computed = compute(index, fetched)
+            if index == order[0]:  # every subgroup holds the shared state alike
+                self.shared = [np.array(x) for x in self.programs.shared_of(self.plan.subgroups[index], computed[0])]
+            return computed
+
+        timings = self.engine.pipeline(order, fetch, compute_noting_shared, self._storer(step, placement))
+        self._finish(step, timings, compiles_on_this_thread() - compiles, notes=self._init_notes)
+        self.engine.wait_background()
+
+    # ----------------------------------------------------------------------------- one update
+
+    def update(self, step: int, blocks: Blocks, route: Route, results: Results | None = None) -> dict[BlockKey, Any]:
+        """One update from ``step`` as a transaction: each owned block's result, by (leaf, owner device id).
+
+        ``results`` runs each subgroup's program and keeps what it gives: by default the updates
+        (:class:`~jax_mlp._src.stream.blocks.UpdateBlocks`); :class:`~jax_mlp._src.stream.blocks.NewParams` for the fused apply.
+
+        Raises:
+          OffloadError: ``step`` is not the step the tiers hold.
+          Any error of the stream, after the transaction was aborted: step ``step`` is intact.
+        """
+        self.check_step(step)
+        transaction = self.begin()
+        try:
+            updates, timings, compiles = self._stream(transaction, blocks, route, results or UpdateBlocks(self.plan))
+        except BaseException:
+            self.abort(transaction)
+            raise
+        self.end(transaction, timings, compiles)
+        return updates
+
+    def check_step(self, step: int) -> None:
+        """Refuses an ``opt_state`` at another step than the tiers hold."""
+        if step != self.step:
+            raise OffloadError(
+                f"the opt_state passed to update is at step {step}, but the offloaded state is at step {self.step}; "
+                "offloaded state cannot go back in time: pass the opt_state returned by the previous update, "
+                "or restore a checkpoint"
+            )
+
+    def begin(self) -> Transaction:
+        """Settles idle-time I/O, drops the records moves left behind, and remembers what to restore."""
+        background_wait = self.engine.wait_background()
+        self.tiers.drop_moved()
+        placement = tuple(self.scheduler.placement)
+        return Transaction(self.step, placement, self.idle.take_ahead(), self.tiers.locations, background_wait)
+
+    def _stream(
+        self, transaction: Transaction, blocks: Blocks, route: Route, results: Results
+    ) -> tuple[dict[BlockKey, Any], Timings, int]:
+        """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
+
+        Returns:
+          Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
+        """
+        step = transaction.step
+        describe = self._describer(transaction)
+
+        def fetch(index: int) -> Any:
+            early = transaction.ahead.take(index)
+            if early is not None:
+                fields = self.engine.result(early, f"reading {describe(index)} ahead")
+            else:
+                fields = self._fetch(index, step)
+            return self.transfer.to_device(fields, blocks.devices[index]) if route.put_on_reader else fields
+
+        def compute(index: int, fetched: Any) -> tuple:
+            started = time.perf_counter()
+            subgroup = self.plan.subgroups[index]
+            on_device = fetched if route.put_on_reader else self.transfer.to_device(fetched, blocks.devices[index])
+            out = results.compute(self.programs, subgroup, blocks, on_device)
+            self.counters.computed(index, started)
+            new = (out.state_leaves, out.master_leaves)
+            return tuple(self.transfer.to_host(leaves) for leaves in new) if route.get_on_compute else new
+
+        compiles = compiles_on_this_thread()
+        order = self.scheduler.order(step)
+        store = self._storer(step + 1, transaction.placement)
+        timings = self.engine.pipeline(order, fetch, compute, store, describe)
+        return results.result(), timings, compiles_on_this_thread() - compiles
+
+    def _fetch(self, index: int, step: int) -> Any:
+        """Subgroup ``index``'s fields at ``step`` from the tiers, counted as a cache hit or a read."""
+        fetched = self.tiers.fetch(index, step)
+        if fetched.read is None:
+            self.counters.hit()
+        else:
+            self.counters.count(fetched.read)
+        return fetched.fields
+
+    def _describer(self, transaction: Transaction) -> Callable[[int], str]:
+        """Names a subgroup and the paths it is read from and written to, for a hung transfer's message."""
+        roots = [path.root for path in self.tiers.paths]
+
+        def describe(index: int) -> str:
+            source = transaction.locations.paths.get(index)
+            target = roots[transaction.placement[index]]
+            read = "" if source is None or roots[source] == target else f"read from {roots[source]}, "
+            return f"subgroup {index} ({read}on {target})"
+
+        return describe
+
+    def abort(self, transaction: Transaction) -> None:
+        """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
+        self.tiers.cache.discard_unless_step(transaction.step)
+        self.tiers.restore(transaction.locations)
+        self.engine.settle(transaction.ahead.take_all())
+
+    def end(self, transaction: Transaction, timings: Timings, compiles: int) -> None:
+        """Commits the step: stats, idle-time I/O, and with several processes a barrier."""
+        self.step = transaction.step + 1
+        self._finish(self.step, timings, compiles, transaction.background_wait)
+        if jax.process_count() > 1:
+            what = f"the end of update step {self.step}"
+            peers.barrier(f"{self._peer_key}/update/{self.step}", self.config.peer_timeout, what)
+
+    def _storer(self, step: int, placement: tuple[int, ...]) -> Callable[[int, tuple], None]:
+        """The writer threads' store for records of ``step``, each to the path ``placement`` gives it."""
+
+        def store(index: int, computed: tuple) -> None:
+            fields = tuple(self.transfer.to_host(leaves) for leaves in computed)
+            for written in self.tiers.store(index, fields, self._record_bytes[index], step, placement):
+                self.counters.count(written)
+
+        return store
+
+    # ----------------------------------------------------------------------------- between updates
+
+    def _finish(
+        self,
+        step: int,
+        timings: Timings,
+        compiles: int,
+        extra_wait: float = 0.0,
+        notes: Mapping[str, Any] = MappingProxyType({}),
+    ) -> None:
+        """Closes a step's accounting, then starts the idle-time I/O that overlaps the user's next forward pass.
+
+        ``notes`` are further fields of its stats (those of the optimizer check, for an init).
+        """
+        ended = time.perf_counter()
+        self._total_compiles += compiles
+        usages = [path.traffic.take_usage() for path in self.tiers.paths]
+        waited = timings.read_wait + timings.write_wait + extra_wait
+        self.scheduler.observe(usages, self.config.host_cache, Measured(timings.total + extra_wait, waited))
+        stats = update_stats(
+            step,
+            timings,
+            extra_wait,
+            self.counters,
+            compiles,
+            self._total_compiles,
+            self.tiers.locations.paths,
+            [path.root for path in self.tiers.paths],
+            self.scheduler.speeds,
+            self.scheduler.last_moves,
+            self.scheduler.fallback,
+            ended,
+        )
+        self.last_stats = stats._replace(transfer=self.transfer.name, **notes)
+        self.counters.reset()  # idle-time I/O started below counts towards the next update
+        self.idle.after_update(step)
+        self._report(self.last_stats)
+
+    def _report(self, stats: UpdateStats) -> None:
+        if self._on_stats is None:
+            return
+        try:
+            self._on_stats(stats)
+        except Exception:  # a logging failure must not desynchronise the step from the tiers
+            logger.exception("the on_stats callback of mlp_offload raised; training goes on")
+
+    @property
+    def prefetched(self) -> tuple[int, ...]:
+        """The subgroups read ahead in idle time for the next update, in the order they were started."""
+        return self.idle.prefetched
+
+    @property
+    def idle_io_done(self) -> bool:
+        """Whether the idle-time write-back started by the last update has finished."""
+        return self.engine.background_done()
+
+    def use_idle_window(self) -> None:
+        """A call that only accumulates gradients: reads further ahead for the next update (see :class:`IdleIO`)."""
+        self.idle.use_window(self.step)
+
+    def flush(self) -> None:
+        """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
+        self.idle.flush()
+
+    def pin(self) -> Pin:
+        """Flushes, then pins the current step for a reader beside training (see :meth:`TierStack.pin`)."""
+        self.flush()
+        return self.tiers.pin(self.step, self.config.io_timeout)
+
+    def close(self, *, delete: bool) -> None:
+        """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
+        try:
+            self.idle.settle()
+            self.engine.close()
+            self.tiers.cache.clear()
+            if delete:
+                for path in self.tiers.paths:
+                    path.remove()
+        finally:
+            release_paths(self.tiers.paths)
