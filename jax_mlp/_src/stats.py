@@ -104,6 +104,13 @@ class UpdateStats(NamedTuple):
         ``subgroup_size`` (its optimizer mixes its rows), keyed by leaf path, with its subgroup's index.
       transfer: the path subgroups took between host and device, ``"pinned"`` or ``"plain"``
         (see :mod:`jax_mlp._src.stream.transfer`).
+      overlapped: of an update that overlapped the backward pass (``offload.overlap``), the subgroups
+        whose update started from the grads the backward handed over, before ``update`` was called.
+      overlap_s: of such an update, the seconds it streamed before ``update`` was called; ``seconds``
+        counts them too.
+      overlap_bytes: the most host bytes of handed-over grads (and params) held at once.
+      rolled_back: whether the grads ``update`` was given differed from those the backward handed over
+        (a clipping that fired, say), so the overlapped update was undone and the step streamed again.
     """
 
     step: int
@@ -125,6 +132,10 @@ class UpdateStats(NamedTuple):
     check_s: float = 0.0
     whole_leaf_subgroups: Mapping[str, int] = _NO_PLACEMENT
     transfer: str = "plain"
+    overlapped: int = 0
+    overlap_s: float = 0.0
+    overlap_bytes: int = 0
+    rolled_back: bool = False
 
     @property
     def paths(self) -> list[str]:

@@ -58,6 +58,10 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs, ClosesOnExit)
         nnx.update(model, params)
         return opt_state
 
+    def overlap(self, params: Any) -> Any:
+        """The params, unchanged; inside the loss, their backward starts the next ``update``: see :meth:`Offloader.overlap`."""
+        return self.offloader.overlap(params)
+
     def flush(self) -> None:
         """See :meth:`Offloader.flush`."""
         self.offloader.flush()

@@ -12,6 +12,7 @@ update with the :data:`~jax_mlp._src.stream.state_stream.LATE_PUT` route and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import accumulation, inputs
 from jax_mlp._src.offload.in_jit import JitRoute
+from jax_mlp._src.offload.overlap import Overlap
 from jax_mlp._src.plan import optimizer_check
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import Uniform, update_dtype
@@ -70,6 +72,7 @@ class Calls:
       sharding: each leaf's sharding and owned shards, as at ``init``.
       stream: the offloaded state and the transactions that update it.
       jit: the in-jit route.
+      overlap_route: the update started in the backward pass (``offload.overlap``), which ``update`` finishes.
     """
 
     inner: optax.GradientTransformationExtraArgs
@@ -78,6 +81,7 @@ class Calls:
     sharding: LeafSharding
     stream: StateStream
     jit: JitRoute
+    overlap_route: Overlap
 
     def __post_init__(self) -> None:
         self._checked_extra_args = {self.config.extra_args}  # the signatures the optimizer check passed
@@ -144,7 +148,30 @@ class Calls:
         else:
             leaves, step, shared = self._stream(call, call.grads, state.step)
             state = OffloadState(step, shared)
+            self.expect_overlap(call.grads, shared)
         return jax.tree_util.tree_unflatten(call.grads_tree, leaves), state
+
+    def first_handle(self, params: Sequence[Any]) -> OffloadState:
+        """The handle at the step the tiers were filled at (an empty accumulation window, if accumulating)."""
+        shared = self.shared_of([jnp.asarray(x) for x in self.stream.shared])
+        step = jnp.asarray(self.stream.step, jnp.int32)
+        if self.config.accumulate_steps > 1:
+            window = accumulation.empty_window(params, self.config.accumulator_dtype)
+            acc_grads = jax.tree_util.tree_unflatten(inputs.bare_treedef(self.plan.treedef), window.acc_grads)
+            return OffloadState(step, shared, window.mini_step, acc_grads)
+        self.expect_overlap(params, shared)
+        return OffloadState(step, shared)
+
+    def overlap(self, params: Any) -> Any:
+        """``Offloader.overlap``: the identity whose backward starts the next update (traced)."""
+        return self.overlap_route(params)
+
+    def expect_overlap(self, grads: Sequence[Any], shared: Any, window: accumulation.Window | None = None) -> None:
+        """Tells the overlap what the next step's update starts from: the tiers' step, the subgroups' devices
+        (as ``grads`` are placed), the handle's ``shared`` state, and the window the next grads complete."""
+        devices = self.sharding.devices(self.plan, grads)
+        basis = self.overlap_route.basis(self.stream.step, devices, shared, self.stream.programs, window)
+        self.overlap_route.expect(basis, grads)
 
     def _update_in_jit(self, call: Call, state: OffloadState) -> tuple[list, OffloadState]:
         """Traces the update as the in-jit route's host callbacks (see :mod:`jax_mlp._src.offload.in_jit`).
@@ -154,6 +181,7 @@ class Calls:
         waiting behind the caller's next step), so it is refused rather than left to hang.
         """
         accumulation.refuse_multisteps()
+        self.overlap_route.expect(None)  # the update runs after the backward anyway, in the same program
         if self.config.accumulate_steps > 1:
             raise OffloadError(
                 f"mlp_offload with accumulate_steps={self.config.accumulate_steps} was called inside jax.jit; "
@@ -182,17 +210,23 @@ class Calls:
                 call.shared,
                 carried,
             )
+            if int(carried.mini_step) == config.accumulate_steps - 1:  # the next grads complete the window
+                self.expect_overlap(call.grads, shared, carried)
         else:
             leaves, step, shared = self._stream(call, means, state.step)
             window = accumulation.empty_window(carried.acc_grads, config.accumulator_dtype)
+            self.overlap_route.expect(None)  # the next backward only starts a window
         acc_grads = jax.tree_util.tree_unflatten(inputs.bare_treedef(plan.treedef), window.acc_grads)
         return leaves, OffloadState(step, shared, window.mini_step, acc_grads)
 
     def _stream(self, call: Call, grads: list, step: jax.Array) -> tuple[list, jax.Array, Any]:
         """One eager update from ``step`` with ``grads``: the update leaves, the new step and the new shared state."""
         uniform, new_shared = self.uniform(call)
-        blocks = Blocks.of(self.plan, self.sharding, grads, call.params, uniform)
-        results = self.stream.update(int(step), blocks, EAGER)
+        params = call.params if self.overlap_route.needs_params else None  # the programs read none, on either route
+        blocks = Blocks.of(self.plan, self.sharding, grads, params, uniform)
+        results, notes = self.overlap_route.finish(blocks)
+        if results is None:
+            results = self.stream.update(int(step), blocks, EAGER, notes=notes)
         return self.sharding.assemble(self.plan, results), jnp.asarray(self.stream.step, jnp.int32), new_shared
 
     def apply(self, grads: Any, state: OffloadState, params: Any, extra_args: dict) -> tuple[Any, OffloadState]:
@@ -202,9 +236,12 @@ class Calls:
         inputs.check_distinct(self.plan, call.grads, call.params)
         del grads, params
         uniform, new_shared = self.uniform(call)
+        notes = self.overlap_route.abandon("apply runs the update itself, from the params it donates")
+        self.overlap_route.expect(None)  # an update with apply's donated params cannot start before apply
         blocks = Blocks.of(self.plan, self.sharding, call.grads, None, uniform)
         results = NewParams(self.plan, self.sharding.block_map(call.params), call.grads, blocks.grads)
-        new_leaves = self.sharding.assemble(self.plan, self.stream.update(int(state.step), blocks, LATE_PUT, results))
+        updated = self.stream.update(int(state.step), blocks, LATE_PUT, results, notes)
+        new_leaves = self.sharding.assemble(self.plan, updated)
         for leaf in call.params:  # the replicas an owner's new block was copied to
             leaf.delete()
         new_params = jax.tree_util.tree_unflatten(call.params_tree, new_leaves)

@@ -175,10 +175,7 @@ def host_update(
     params = list(params or [])
 
     def per_device(step, uniform, grads, params):
-        index = sum(
-            jax.lax.axis_index(name) * math.prod(mesh.devices.shape[i + 1 :]) for i, name in enumerate(mesh.axis_names)
-        )
-        return io_callback(on_device, list(out_blocks), step, jnp.int32(index), uniform, *grads, *params)
+        return io_callback(on_device, list(out_blocks), step, device_index(mesh), uniform, *grads, *params)
 
     mapped = jax.shard_map(
         per_device,
@@ -188,6 +185,14 @@ def host_update(
         check_vma=False,
     )
     return mapped(step, uniform, list(grads), params)
+
+
+def device_index(mesh: Mesh) -> jax.Array:
+    """Inside ``shard_map`` over ``mesh``: this device's flat index in ``mesh.devices`` (an int32)."""
+    index = sum(
+        jax.lax.axis_index(name) * math.prod(mesh.devices.shape[i + 1 :]) for i, name in enumerate(mesh.axis_names)
+    )
+    return jnp.int32(index)
 
 
 class Rendezvous:
@@ -266,13 +271,13 @@ class JitRoute:
         self._plan = plan
         self._stream = stream
         self._failure: str | None = None
-        self._unusable: str | None = None
+        self.unusable: str | None = None
         self._announced = False
         self.layout: JitLayout | None = None
         try:
             self.layout = jit_layout([spec.path for spec in plan.leaves], leaves)
         except OffloadError as error:
-            self._unusable = str(error)
+            self.unusable = str(error)
             return
         devices = self.layout.mesh.local_devices
         self._keys = sharding.block_keys(plan, devices)
@@ -287,7 +292,7 @@ class JitRoute:
           OffloadError: the params' layout cannot run inside jit; the message says what to change.
         """
         if self.layout is None:
-            raise OffloadError(self._unusable)
+            raise OffloadError(self.unusable)
         self._announce()
         shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
         out_blocks = [jax.ShapeDtypeStruct(shape, update_dtype(self._plan, i)) for i, shape in enumerate(shapes)]

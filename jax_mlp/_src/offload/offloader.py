@@ -8,10 +8,10 @@ failed ``init`` leaves nothing behind but what it wrote, so it can be retried.
 
 from __future__ import annotations
 
+import functools
 import itertools
-import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,38 +21,22 @@ import optax
 from jax_mlp._src import peers
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
-from jax_mlp._src.offload import accumulation, inputs, resume
+from jax_mlp._src.offload import accumulation, inputs, planning, resume
 from jax_mlp._src.offload.calls import Calls
 from jax_mlp._src.offload.in_jit import JitLayout, JitRoute
+from jax_mlp._src.offload.overlap import Overlap
 from jax_mlp._src.parsing import parse_rate
-from jax_mlp._src.plan import optimizer_check, partition
 from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.plan.programs import Programs
 from jax_mlp._src.plan.sharding import LeafSharding
-from jax_mlp._src.schedule.performance import starting_speed
 from jax_mlp._src.schedule.scheduler import Scheduler
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stats import UpdateStats
-from jax_mlp._src.storage.cache import HostCache
-from jax_mlp._src.storage.paths import PathStore, open_paths, release_paths
-from jax_mlp._src.storage.record import HEADER_SIZE, record_codec
-from jax_mlp._src.storage.tier_stack import Pin, TierStack
-from jax_mlp._src.stream.engine import Engine
-from jax_mlp._src.stream.state_stream import StateStream
+from jax_mlp._src.storage.paths import open_paths, release_paths
+from jax_mlp._src.storage.tier_stack import Pin
 
 __all__ = ["OffloadState", "Offloader"]
 
 _INSTANCES = itertools.count()  # names this process's offloaders alike in every process, for barriers
-
-
-class _Planned(NamedTuple):
-    """The plan of some params, with what ``init`` needs of them besides."""
-
-    key: Any
-    plan: Plan
-    sharding: LeafSharding
-    leaves: list[Any]
-    notes: dict[str, Any]
 
 
 class ClosesOnExit:
@@ -95,7 +79,7 @@ class Offloader(ClosesOnExit):
         self._peer_key = f"jax_mlp/{next(_INSTANCES)}"
         self._calls: Calls | None = None
         self._closed = False
-        self._last_plan: _Planned | None = None
+        self._last_plan: planning.Planned | None = None
 
     # ----------------------------------------------------------------------------- read-only views
 
@@ -151,14 +135,14 @@ class Offloader(ClosesOnExit):
         """
         return self._planned(params).plan
 
-    def _planned(self, params: Any) -> _Planned:
+    def _planned(self, params: Any) -> planning.Planned:
         inputs.check_has_leaves(params)
         inputs.check_float_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
         inputs.check_master_dtype(leaves, self.config.master_dtype)
-        key = (jax.tree_util.tree_structure(params), tuple(_signature(x) for x in leaves))
+        key = (jax.tree_util.tree_structure(params), tuple(planning.signature(x) for x in leaves))
         if self._last_plan is None or self._last_plan.key != key:
-            self._last_plan = _plan(self.inner, self.config, params, key)
+            self._last_plan = planning.plan_params(self.inner, self.config, params, key)
         return self._last_plan._replace(leaves=leaves)
 
     def init(self, params: Any) -> OffloadState:
@@ -169,7 +153,8 @@ class Offloader(ClosesOnExit):
         can simply be retried.
         """
         if self.resume:
-            return self._initialise(params, self._resume, "resume")
+            resume_at = functools.partial(resume.resume_at, peer_key=self._peer_key)
+            return self._initialise(params, lambda live, _: resume_at(live.stream), "resume")
 
         def write_initial_state(live: Calls, leaves: list[Any]) -> None:
             leaves = [jnp.asarray(x) for x in leaves]
@@ -223,9 +208,11 @@ class Offloader(ClosesOnExit):
         stream = None
         try:
             resume.check_paths(paths, plan, config.subgroup_size, intent=intent)
-            stream = _open_stream(self.inner, config, plan, paths, self._peer_key, self.on_stats, planned.notes)
+            stream = planning.open_stream(self.inner, config, plan, paths, self._peer_key, self.on_stats, planned.notes)
             jit = JitRoute(plan, planned.sharding, planned.leaves, stream, config.peer_timeout)
-            live = Calls(self.inner, config, plan, planned.sharding, stream, jit)
+            needs_params = planned.reads_params or plan.master_dtype is not None
+            overlap = Overlap(config, plan, planned.sharding, stream, jit.layout, jit.unusable, needs_params)
+            live = Calls(self.inner, config, plan, planned.sharding, stream, jit, overlap)
             populate(live, planned.leaves)
             for path in paths:
                 path.write_run_file(resume.run_identity(plan, config.subgroup_size))
@@ -237,26 +224,7 @@ class Offloader(ClosesOnExit):
             release_paths(paths)  # a live offload holds them until close; a failed init lets go
             raise
         self._calls = live
-        shared = live.shared_of([jnp.asarray(x) for x in stream.shared])
-        return self._state_at(jnp.asarray(stream.step, jnp.int32), shared, plan, planned.leaves)
-
-    def _state_at(self, step: jax.Array, shared: Any, plan: Plan, params: list[Any]) -> OffloadState:
-        """The handle at ``step``, with an empty accumulation window when accumulating."""
-        if self.config.accumulate_steps == 1:
-            return OffloadState(step, shared)
-        window = accumulation.empty_window(params, self.config.accumulator_dtype)
-        acc_grads = jax.tree_util.tree_unflatten(inputs.bare_treedef(plan.treedef), window.acc_grads)
-        return OffloadState(step, shared, window.mini_step, acc_grads)
-
-    def _resume(self, live: Calls, _: list[Any]) -> None:
-        step, locations = resume.last_complete_step(
-            live.stream.engine,
-            live.stream.tiers.paths,
-            live.plan,
-            peer_key=self._peer_key,
-            peer_timeout=self.config.peer_timeout,
-        )
-        live.stream.resume_at(step, locations)
+        return live.first_handle(planned.leaves)
 
     def _initialised(self, verb: str | None = None) -> Calls:
         if self._calls is None:
@@ -374,81 +342,25 @@ class Offloader(ClosesOnExit):
         """
         return self._calls_for("apply").apply(grads, state, params, extra_args)
 
+    def overlap(self, params: Any) -> Any:
+        """The identity on ``params``, whose backward starts the next update as it makes the grads.
+
+        Apply it to the params inside the loss of a jitted grad step and call :meth:`update` after it,
+        as usual: each subgroup streams as soon as the backward has made its grads, and ``update``
+        finishes the step with the grads it is given, bitwise as without overlap (or, if they differ,
+        by undoing the early work and streaming the step again: ``stats.rolled_back``). See
+        docs/usage.md, "Overlapping the update with the backward pass".
+
+        Args:
+          params: the whole param tree, as given to ``init`` (traced: inside the loss).
+
+        Returns:
+          ``params``, unchanged.
+        """
+        return self._calls_for("overlap").overlap(params)
+
     def _calls_for(self, verb: str) -> Calls:
         """The live state for a call of ``verb``, refusing one before ``init`` or after ``close``."""
         live = self._initialised(verb)
         self._check_open()
         return live
-
-
-def _open_stream(
-    inner: optax.GradientTransformationExtraArgs,
-    config: OffloadConfig,
-    plan: Plan,
-    paths: list[PathStore],
-    peer_key: str,
-    on_stats: Callable[[UpdateStats], None] | None,
-    notes: dict[str, Any],
-) -> StateStream:
-    """The state stream of ``plan`` on opened ``paths``: its programs, scheduler (from each path's
-    declared or probed speed), tiers and engine."""
-    scheduler = Scheduler(
-        [HEADER_SIZE + subgroup.layout.nbytes for subgroup in plan.subgroups],
-        [starting_speed(path, config.probe) for path in config.paths],
-        order=config.order,
-        placement=config.placement,
-        rebalance=config.rebalance,
-    )
-    tiers = TierStack(
-        HostCache(config.host_cache),
-        paths,
-        plan.layout_hash,
-        record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash),
-    )
-    engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
-    return StateStream(
-        config,
-        plan,
-        Programs(inner, plan),
-        scheduler,
-        tiers,
-        engine,
-        peer_key=peer_key,
-        on_stats=on_stats,
-        init_notes=notes,
-    )
-
-
-def _plan(inner: optax.GradientTransformationExtraArgs, config: OffloadConfig, params: Any, key: Any) -> _Planned:
-    """Checks the optimizer on ``params`` (their shapes), then plans their subgroups; warns of oversized leaves."""
-    leaves = jax.tree_util.tree_leaves(params)
-    sharding = LeafSharding.of(leaves)
-    check = optimizer_check.check_optimizer(inner, params, config.master_dtype, dict(config.extra_args))
-    plan = partition.make_plan(
-        params,
-        inner,
-        config.subgroup_size,
-        config.master_dtype,
-        sharding.shards,
-        whole_leaves=check.whole_leaves,
-        master_storage=config.master_storage,
-    )
-    oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
-    _warn_of(oversized, plan, config.subgroup_size)
-    notes = {"check_s": check.seconds, "whole_leaf_subgroups": oversized}
-    return _Planned(key, plan, sharding, leaves, notes)
-
-
-def _signature(leaf: Any) -> tuple:
-    """What a plan depends on of a param leaf: its shape, dtype and sharding."""
-    return tuple(np.shape(leaf)), jnp.result_type(leaf), getattr(leaf, "sharding", None)
-
-
-def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:
-    for leaf, index in oversized.items():
-        warnings.warn(
-            f"param {leaf} is kept whole in subgroup {index}, of {plan.subgroups[index].layout.nbytes} bytes, above "
-            f"subgroup_size={subgroup_size}: its optimizer mixes its rows (adafactor, lamb, lars and muon do), so "
-            "cutting it into row chunks would change the math. Expect that subgroup to take more memory and time",
-            stacklevel=6,
-        )

@@ -23,6 +23,7 @@ from jax_mlp._src.plan.partition import Plan, treedef_paths
 from jax_mlp._src.storage.paths import PathStore
 from jax_mlp._src.storage.record import RecordLayout
 from jax_mlp._src.stream.engine import Engine
+from jax_mlp._src.stream.state_stream import StateStream
 
 RUN_FORMAT = 1
 
@@ -255,3 +256,12 @@ def last_complete_step(
         )
     step = max(common)
     return step, {index: steps[step] for index, steps in found.items()}
+
+
+def resume_at(stream: StateStream, *, peer_key: str) -> None:
+    """Takes the tiers up at the last step complete on every path (and, with several processes, in every one)."""
+    config = stream.config
+    step, locations = last_complete_step(
+        stream.engine, stream.tiers.paths, stream.plan, peer_key=peer_key, peer_timeout=config.peer_timeout
+    )
+    stream.resume_at(step, locations)

@@ -54,6 +54,7 @@ class OptimizerCheck(NamedTuple):
 
     whole_leaves: frozenset[int]  # leaves (in tree_leaves order) that must not be row-split
     seconds: float  # time the check took
+    reads_params: bool  # whether inner.update's outputs depend on the params it is given (adamw's decay does)
 
 
 class _Traced(NamedTuple):
@@ -86,7 +87,8 @@ def check_optimizer(
         the same for every subgroup.
 
     Returns:
-      The leaves that must be kept whole (their updates mix rows) and the seconds the check took.
+      The leaves that must be kept whole (their updates mix rows), the seconds the check took, and
+      whether the update reads the params.
 
     Raises:
       CoupledOptimizerError: an update or new state leaf of one param leaf depends on another leaf,
@@ -96,7 +98,8 @@ def check_optimizer(
     start = time.perf_counter()
     traced = _trace(optax.with_extra_args_support(inner), params, master_dtype, dict(extra_args or {}))
     owner = _state_owners(inner, traced)
-    return OptimizerCheck(_row_coupled(traced, owner), time.perf_counter() - start)
+    whole = _row_coupled(traced, owner)
+    return OptimizerCheck(whole, time.perf_counter() - start, _reads_params(traced))
 
 
 def check_extra_args(inner: optax.GradientTransformation, plan: partition.Plan, extra_args: Mapping[str, Any]) -> None:
@@ -208,6 +211,14 @@ def _random_equation(jaxpr: core.Jaxpr) -> Any | None:
 def _update_outputs(propagation: Propagation, traced: _Traced, params: list[Dep], state: list[Dep]) -> list[Dep]:
     """The deps of ``inner.update``'s outputs (updates, then new state); extra arguments are uniform."""
     return propagation.closed(traced.update, [*params, *state, *params, *[UNIFORM] * traced.num_extra])
+
+
+def _reads_params(traced: _Traced) -> bool:
+    """Whether an output of ``inner.update`` (an update or a new state leaf) depends on the params it is given."""
+    n, s = len(traced.names), len(traced.state_leaves)
+    tokens = [Dep(frozenset({i}), None) for i in range(n)]
+    inputs = [*[UNIFORM] * n, *[UNIFORM] * s, *tokens, *[UNIFORM] * traced.num_extra]
+    return any(dep.leaves for dep in Propagation(n).closed(traced.update, inputs))
 
 
 def _state_owners(inner: optax.GradientTransformation, traced: _Traced) -> list[int | None]:

@@ -239,3 +239,45 @@ def predict_variant(
         prefetch_records=prefetch_depth if variant.balanced else 0,
         write_back=write_back,
     )
+
+
+class Loads:
+    """The bytes each record adds to its path during an update, averaged over the next two steps' orders.
+
+    Args:
+      read: bytes each record is read for during an update (0 when the host cache serves it).
+      write: bytes each record is written for during an update (0 when written back in idle time).
+    """
+
+    def __init__(self, read: Sequence[float], write: Sequence[float]):
+        self.read, self.write = list(read), list(write)
+
+    def seconds(self, speeds: Sequence[PathSpeed], read_from: Sequence[int], write_to: Sequence[int]) -> float:
+        """The slowest path's busy time, records read from ``read_from`` and written to ``write_to``."""
+        read, write = [0.0] * len(speeds), [0.0] * len(speeds)
+        for k, (source, target) in enumerate(zip(read_from, write_to, strict=True)):
+            read[source] += self.read[k]
+            write[target] += self.write[k]
+        return max(speed.seconds(r, w) for speed, r, w in zip(speeds, read, write, strict=True))
+
+    def shares(self, speeds: Sequence[PathSpeed]) -> tuple[float, ...]:
+        """Shares of the records per path that make all paths finish together.
+
+        Found by bisection on the common finishing time, since a burst makes a path's time
+        not proportional to its share.
+        """
+        read, write = sum(self.read), sum(self.write)
+
+        def share_within(speed: PathSpeed, seconds: float) -> float:
+            low, high = 0.0, 1.0
+            for _ in range(40):
+                middle = (low + high) / 2
+                low, high = (middle, high) if speed.seconds(middle * read, middle * write) <= seconds else (low, middle)
+            return low
+
+        low, high = 0.0, min(speed.seconds(read, write) for speed in speeds)
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (low, middle) if sum(share_within(s, middle) for s in speeds) >= 1 else (middle, high)
+        shares = [share_within(speed, high) for speed in speeds]
+        return tuple(share / sum(shares) for share in shares)

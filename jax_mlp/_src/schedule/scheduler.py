@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from jax_mlp._src.schedule.estimates import CHANGE, WINDOW, PathEstimate, directions, far
-from jax_mlp._src.schedule.performance import PathSpeed, best_split
+from jax_mlp._src.schedule.performance import Loads, PathSpeed, best_split
 from jax_mlp._src.storage.traffic import Usage
 
 MIN_GAIN = 0.10
@@ -114,48 +114,6 @@ def shift_placement(
     return placement
 
 
-class Loads:
-    """The bytes each record adds to its path during an update, averaged over the next two steps' orders.
-
-    Args:
-      read: bytes each record is read for during an update (0 when the host cache serves it).
-      write: bytes each record is written for during an update (0 when written back in idle time).
-    """
-
-    def __init__(self, read: Sequence[float], write: Sequence[float]):
-        self.read, self.write = list(read), list(write)
-
-    def seconds(self, speeds: Sequence[PathSpeed], read_from: Sequence[int], write_to: Sequence[int]) -> float:
-        """The slowest path's busy time, records read from ``read_from`` and written to ``write_to``."""
-        read, write = [0.0] * len(speeds), [0.0] * len(speeds)
-        for k, (source, target) in enumerate(zip(read_from, write_to, strict=True)):
-            read[source] += self.read[k]
-            write[target] += self.write[k]
-        return max(speed.seconds(r, w) for speed, r, w in zip(speeds, read, write, strict=True))
-
-    def shares(self, speeds: Sequence[PathSpeed]) -> tuple[float, ...]:
-        """Shares of the records per path that make all paths finish together.
-
-        Found by bisection on the common finishing time, since a burst makes a path's time
-        not proportional to its share.
-        """
-        read, write = sum(self.read), sum(self.write)
-
-        def share_within(speed: PathSpeed, seconds: float) -> float:
-            low, high = 0.0, 1.0
-            for _ in range(40):
-                middle = (low + high) / 2
-                low, high = (middle, high) if speed.seconds(middle * read, middle * write) <= seconds else (low, middle)
-            return low
-
-        low, high = 0.0, min(speed.seconds(read, write) for speed in speeds)
-        for _ in range(40):
-            middle = (low + high) / 2
-            low, high = (low, middle) if sum(share_within(s, middle) for s in speeds) >= 1 else (middle, high)
-        shares = [share_within(speed, high) for speed in speeds]
-        return tuple(share / sum(shares) for share in shares)
-
-
 class Scheduler:
     """Order, placement and rebalancing for one plan.
 
@@ -191,6 +149,7 @@ class Scheduler:
         self._flows: set[tuple[int, int]] = set()  # (from, to) paths records moved along since the last change
         self._trial: Trial | None = None
         self._settled: collections.deque[Measured] = collections.deque(maxlen=WINDOW)
+        self._followed: tuple[int, ...] | None = None  # the backward's order, once an update overlaps it
 
     @property
     def speeds(self) -> list[PathSpeed]:
@@ -198,9 +157,37 @@ class Scheduler:
         return [estimate.speed for estimate in self.estimates]
 
     def order(self, step: int) -> list[int]:
-        """The order in which step ``step`` updates the subgroups."""
+        """The order in which step ``step`` updates the subgroups: the one :meth:`follow` set, else ``order``'s."""
+        if self._followed is not None:
+            return list(self._followed)
         ascending = list(range(len(self.record_bytes)))
         return ascending[::-1] if self.order_kind == "alternate" and step % 2 else ascending
+
+    def follow(self, order: Sequence[int]) -> None:
+        """Every step from now on updates the subgroups in ``order``: the order their grads come in.
+
+        An update that overlaps the backward pass takes each subgroup as its grads arrive, last layer
+        first, and the reads of the next update start with its first subgroups. The host cache then
+        keeps the last of them (:meth:`cached`): they arrive when the backward ends, and their update
+        is the one the step waits for.
+        """
+        self._followed = tuple(order)
+
+    @property
+    def following(self) -> bool:
+        """Whether the order is one :meth:`follow` set."""
+        return self._followed is not None
+
+    def cached(self, cache_bytes: int) -> frozenset[int] | None:
+        """The subgroups whose new records the host cache keeps; None: every one, as its LRU decides.
+
+        With a followed order, the records that fit at its end: a fixed order would have an LRU evict
+        each record before the next step reaches it, so the others are written straight to their paths.
+        """
+        if self._followed is None:
+            return None
+        count = _fitting(self._followed[::-1], self.record_bytes, cache_bytes)
+        return frozenset(self._followed[len(self._followed) - count :])
 
     def loads(self, cache_bytes: int) -> Loads:
         """What each record adds to its path's busy time in an update, with a host cache of ``cache_bytes``.
@@ -209,8 +196,15 @@ class Scheduler:
         updated last: with the alternating order they are its first, served from the cache; with
         the ascending order they are evicted before they are reached. Records evicted during the
         update (all but the last that fit) are written during it; the rest in the idle time after.
+        With a followed order the cache keeps its last records (:meth:`cached`); the others are read
+        and written every step.
         """
         read, write = [0.0] * len(self.record_bytes), [0.0] * len(self.record_bytes)
+        kept = self.cached(cache_bytes)
+        if kept is not None:
+            for k in set(self._followed) - kept:
+                read[k] = write[k] = float(self.record_bytes[k])
+            return Loads(read, write)
         for step in (0, 1):
             order = self.order(step)
             cached = _fitting(order, self.record_bytes, cache_bytes)

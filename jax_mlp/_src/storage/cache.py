@@ -71,6 +71,13 @@ class HostCache:
             self.nbytes += entry.nbytes
             return evicted
 
+    def drop(self, key: int) -> None:
+        """Forgets ``key``'s entry, if any (its newer record goes to storage instead)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self.nbytes -= entry.nbytes
+
     def mark_clean(self, key: int, step: int) -> None:
         """Marks the cached record of ``key`` at ``step`` as safely stored."""
         with self._lock:

@@ -228,17 +228,25 @@ class TierStack:
             self.paths[old].delete(subgroup)
 
     def store(
-        self, subgroup: int, fields: Any, record_nbytes: int, step: int, placement: Sequence[int]
+        self,
+        subgroup: int,
+        fields: Any,
+        record_nbytes: int,
+        step: int,
+        placement: Sequence[int],
+        cached: frozenset[int] | None = None,
     ) -> list[Transfer]:
         """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits, else writes them.
 
         What the cache evicts to make room is written if dirty. Each record goes to the path
-        ``placement`` gives its subgroup.
+        ``placement`` gives its subgroup. ``cached``, when given, names the subgroups the cache may
+        keep; any other is written, and its older cached record dropped.
 
         Returns:
           The writes this took (none for a cached record that evicted nothing dirty).
         """
-        if not self.cache.fits(record_nbytes):
+        if not self.cache.fits(record_nbytes) or (cached is not None and subgroup not in cached):
+            self.cache.drop(subgroup)
             return [self.write(subgroup, fields, step, placement[subgroup])]
         evicted = self.cache.put(subgroup, CacheEntry(fields, record_nbytes, step, dirty=True))
         return [self.write(k, entry.fields, entry.step, placement[k]) for k, entry in evicted if entry.dirty]

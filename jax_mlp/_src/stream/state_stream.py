@@ -2,11 +2,12 @@
 
 :class:`StateStream` is given everything an initialised offloader streams with: the plan's
 programs, the scheduler, the tiers and the engine. Each update is a :class:`Transaction`: ``begin``
-settles the idle-time I/O and remembers where every record was, ``_stream`` runs the subgroups
+settles the idle-time I/O and remembers where every record was, ``stream_subgroups`` runs the subgroups
 through the engine, and either ``end`` commits the step (stats, scheduler feedback, idle-time
 write-back and prefetch) or ``abort`` forgets every trace of it, so the previous step stays intact.
 :meth:`StateStream.update` is that sequence, for the eager and the in-jit route alike; the two
-differ only in their :class:`~jax_mlp._src.stream.blocks.Blocks` and :class:`Route`. The fused apply
+differ only in their :class:`~jax_mlp._src.stream.blocks.Blocks` and :class:`Route`. An update that overlaps the backward
+pass runs the same steps, split over two threads (:mod:`~jax_mlp._src.offload.overlap`). The fused apply
 runs it too, with the :data:`LATE_PUT` route and :class:`~jax_mlp._src.stream.blocks.NewParams`
 keeping its results.
 
@@ -82,6 +83,7 @@ class Transaction(NamedTuple):
       ahead: the records read ahead in idle time, for this update's fetches to take.
       locations: where every stored record was before the update.
       background_wait: seconds waited for the previous update's idle-time writes.
+      cached: the subgroups whose new records the host cache keeps (None: its LRU decides).
     """
 
     step: int
@@ -89,6 +91,18 @@ class Transaction(NamedTuple):
     ahead: ReadAhead
     locations: Locations
     background_wait: float
+    cached: frozenset[int] | None
+
+    def describer(self, roots: Sequence[str]) -> Callable[[int], str]:
+        """Names a subgroup and the paths (``roots``) it is read from and written to, for a hung transfer's message."""
+
+        def describe(index: int) -> str:
+            source = self.locations.paths.get(index)
+            target = roots[self.placement[index]]
+            read = "" if source is None or roots[source] == target else f"read from {roots[source]}, "
+            return f"subgroup {index} ({read}on {target})"
+
+        return describe
 
 
 Results = UpdateBlocks | NewParams
@@ -139,6 +153,7 @@ class StateStream:
         self.idle = IdleIO(config, scheduler, tiers, engine, self.counters, self._fetch)
         self.transfer = choose(config.transfer, jax.local_devices())
         self._total_compiles = 0
+        self.held: Callable[[], None] | None = None  # undoes a transaction open on another thread (see update)
 
     # ----------------------------------------------------------------------------- filling the tiers
 
@@ -194,25 +209,43 @@ class StateStream:
 
     # ----------------------------------------------------------------------------- one update
 
-    def update(self, step: int, blocks: Blocks, route: Route, results: Results | None = None) -> dict[BlockKey, Any]:
+    def update(
+        self,
+        step: int,
+        blocks: Blocks,
+        route: Route,
+        results: Results | None = None,
+        notes: Mapping[str, Any] = MappingProxyType({}),
+    ) -> dict[BlockKey, Any]:
         """One update from ``step`` as a transaction: each owned block's result, by (leaf, owner device id).
 
         ``results`` runs each subgroup's program and keeps what it gives: by default the updates
         (:class:`~jax_mlp._src.stream.blocks.UpdateBlocks`); :class:`~jax_mlp._src.stream.blocks.NewParams` for the fused apply.
+        ``notes`` are further fields of its stats.
 
         Raises:
           OffloadError: ``step`` is not the step the tiers hold.
           Any error of the stream, after the transaction was aborted: step ``step`` is intact.
         """
+        self._settle_held()
         self.check_step(step)
         transaction = self.begin()
         try:
-            updates, timings, compiles = self._stream(transaction, blocks, route, results or UpdateBlocks(self.plan))
+            updates, timings, compiles = self.stream_subgroups(
+                transaction, blocks, route, results or UpdateBlocks(self.plan)
+            )
         except BaseException:
             self.abort(transaction)
             raise
-        self.end(transaction, timings, compiles)
+        self.end(transaction, timings, compiles, notes)
         return updates
+
+    def _settle_held(self) -> None:
+        """Undoes a transaction open on another thread (``held``: an overlapped update) before this one uses the
+        stream; ``held`` must undo it and set ``held`` back to None."""
+        cancel = self.held
+        if cancel is not None:
+            cancel()
 
     def check_step(self, step: int) -> None:
         """Refuses an ``opt_state`` at another step than the tiers hold."""
@@ -228,18 +261,22 @@ class StateStream:
         background_wait = self.engine.wait_background()
         self.tiers.drop_moved()
         placement = tuple(self.scheduler.placement)
-        return Transaction(self.step, placement, self.idle.take_ahead(), self.tiers.locations, background_wait)
+        cached = self.scheduler.cached(self.config.host_cache)
+        return Transaction(self.step, placement, self.idle.take_ahead(), self.tiers.locations, background_wait, cached)
 
-    def _stream(
+    def stream_subgroups(
         self, transaction: Transaction, blocks: Blocks, route: Route, results: Results
     ) -> tuple[dict[BlockKey, Any], Timings, int]:
         """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
+
+        A subgroup's program runs once its blocks are in ``blocks`` (an overlapped update's grads come
+        in while it streams); the step is neither committed nor aborted here: :meth:`end` or :meth:`abort`.
 
         Returns:
           Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
         """
         step = transaction.step
-        describe = self._describer(transaction)
+        describe = transaction.describer([path.root for path in self.tiers.paths])
 
         def fetch(index: int) -> Any:
             early = transaction.ahead.take(index)
@@ -260,7 +297,7 @@ class StateStream:
 
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
-        store = self._storer(step + 1, transaction.placement)
+        store = self._storer(step + 1, transaction.placement, transaction.cached)
         timings = self.engine.pipeline(order, fetch, compute, store, describe)
         return results.result(), timings, compiles_on_this_thread() - compiles
 
@@ -273,38 +310,31 @@ class StateStream:
             self.counters.count(fetched.read)
         return fetched.fields
 
-    def _describer(self, transaction: Transaction) -> Callable[[int], str]:
-        """Names a subgroup and the paths it is read from and written to, for a hung transfer's message."""
-        roots = [path.root for path in self.tiers.paths]
-
-        def describe(index: int) -> str:
-            source = transaction.locations.paths.get(index)
-            target = roots[transaction.placement[index]]
-            read = "" if source is None or roots[source] == target else f"read from {roots[source]}, "
-            return f"subgroup {index} ({read}on {target})"
-
-        return describe
-
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
         self.tiers.cache.discard_unless_step(transaction.step)
         self.tiers.restore(transaction.locations)
         self.engine.settle(transaction.ahead.take_all())
 
-    def end(self, transaction: Transaction, timings: Timings, compiles: int) -> None:
-        """Commits the step: stats, idle-time I/O, and with several processes a barrier."""
+    def end(
+        self, transaction: Transaction, timings: Timings, compiles: int, notes: Mapping[str, Any] = MappingProxyType({})
+    ) -> None:
+        """Commits the step: stats (with ``notes`` among them), idle-time I/O, and with several processes a barrier."""
         self.step = transaction.step + 1
-        self._finish(self.step, timings, compiles, transaction.background_wait)
+        self._finish(self.step, timings, compiles, transaction.background_wait, notes)
         if jax.process_count() > 1:
             what = f"the end of update step {self.step}"
             peers.barrier(f"{self._peer_key}/update/{self.step}", self.config.peer_timeout, what)
 
-    def _storer(self, step: int, placement: tuple[int, ...]) -> Callable[[int, tuple], None]:
-        """The writer threads' store for records of ``step``, each to the path ``placement`` gives it."""
+    def _storer(
+        self, step: int, placement: tuple[int, ...], cached: frozenset[int] | None = None
+    ) -> Callable[[int, tuple], None]:
+        """The writer threads' store for records of ``step``, each to the path ``placement`` gives it; the host
+        cache keeps those of ``cached`` (None: any)."""
 
         def store(index: int, computed: tuple) -> None:
             fields = tuple(self.transfer.to_host(leaves) for leaves in computed)
-            for written in self.tiers.store(index, fields, self._record_bytes[index], step, placement):
+            for written in self.tiers.store(index, fields, self._record_bytes[index], step, placement, cached):
                 self.counters.count(written)
 
         return store
@@ -345,15 +375,7 @@ class StateStream:
         self.last_stats = stats._replace(transfer=self.transfer.name, **notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update
         self.idle.after_update(step)
-        self._report(self.last_stats)
-
-    def _report(self, stats: UpdateStats) -> None:
-        if self._on_stats is None:
-            return
-        try:
-            self._on_stats(stats)
-        except Exception:  # a logging failure must not desynchronise the step from the tiers
-            logger.exception("the on_stats callback of mlp_offload raised; training goes on")
+        _report(self._on_stats, self.last_stats)
 
     @property
     def prefetched(self) -> tuple[int, ...]:
@@ -367,10 +389,12 @@ class StateStream:
 
     def use_idle_window(self) -> None:
         """A call that only accumulates gradients: reads further ahead for the next update (see :class:`IdleIO`)."""
+        self._settle_held()
         self.idle.use_window(self.step)
 
     def flush(self) -> None:
         """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
+        self._settle_held()
         self.idle.flush()
 
     def pin(self) -> Pin:
@@ -381,6 +405,7 @@ class StateStream:
     def close(self, *, delete: bool) -> None:
         """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
         try:
+            self._settle_held()
             self.idle.settle()
             self.engine.close()
             self.tiers.cache.clear()
@@ -389,3 +414,13 @@ class StateStream:
                     path.remove()
         finally:
             release_paths(self.tiers.paths)
+
+
+def _report(on_stats: Callable[[UpdateStats], None] | None, stats: UpdateStats) -> None:
+    """Hands ``stats`` to the user's callback; what it raises is logged, never raised."""
+    if on_stats is None:
+        return
+    try:
+        on_stats(stats)
+    except Exception:  # a logging failure must not desynchronise the step from the tiers
+        logger.exception("the on_stats callback of mlp_offload raised; training goes on")

@@ -1,0 +1,217 @@
+"""``offload.overlap``: the update started inside the backward pass (``offload/overlap.py``, ``stream/arrivals.py``).
+
+Each test trains the same MLP twice, with the update overlapped (``offload.overlap`` on the params
+inside the loss) and split (plain ``tx.update`` after the grads), and compares the params' bits.
+What shows the overlap is real is counted by the library: the subgroups whose program ran before
+``update`` was called (``stats.overlapped``), rollbacks (``stats.rolled_back``) and the host bytes
+of handed-over grads (``stats.overlap_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_same_bits
+
+import jax_mlp
+from jax_mlp._src.stream.arrivals import fingerprint
+
+WIDTH, LAYERS, BATCH = 192, 6, 128
+SUBGROUP = "96KiB"  # adam's state of one 192x192 layer is 288 KiB: 3 row chunks a layer, 24 subgroups or so
+
+
+def make_params(dtype=jnp.float32) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), LAYERS)
+    params = {
+        f"w{i}": (jax.random.normal(k, (WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(dtype) for i, k in enumerate(keys)
+    }
+    params.update({f"b{i}": jnp.zeros((WIDTH,), dtype) for i in range(LAYERS)})
+    return params
+
+
+def loss(params: dict, x: jax.Array) -> jax.Array:
+    for i in range(LAYERS):
+        x = jnp.tanh(x @ params[f"w{i}"].astype(jnp.float32) + params[f"b{i}"].astype(jnp.float32))
+    return jnp.mean(x**2)
+
+
+def batch(step: int) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(100 + step), (BATCH, WIDTH)) * (1 + 3 * (step % 3 == 2))
+
+
+def train(inner, params, directory, steps: int, *, overlapped: bool, clip: float | None = None, **options):
+    """Trains ``steps`` steps; returns the params and each update's stats."""
+    offload = jax_mlp.mlp_offload(inner, paths=[directory], subgroup_size=SUBGROUP, **options)
+    tx = offload if clip is None else optax.chain(optax.clip_by_global_norm(clip), offload)
+
+    @jax.jit
+    def grads_of(p, x):
+        return jax.grad(lambda q: loss(offload.overlap(q) if overlapped else q, x))(p)
+
+    stats = []
+    with offload:
+        state = tx.init(params)
+        for step in range(steps):
+            grads = grads_of(params, batch(step))
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            stats.append(offload.stats)
+    return params, stats
+
+
+def global_norms(inner_params, steps):
+    """The global grad norm of each step of the plain run (whether a clipping fires), from plain optax."""
+    norms, params, tx = [], inner_params, optax.adam(1e-2)
+    state = tx.init(params)
+    for step in range(steps):
+        grads = jax.grad(loss)(params, batch(step))
+        norms.append(float(optax.global_norm(grads)))
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return norms
+
+
+@pytest.mark.parametrize("inner", [optax.adam(1e-2), optax.adamw(1e-2, weight_decay=0.1)], ids=["adam", "adamw"])
+def test_overlapped_update_is_bitwise_the_split_route_and_starts_during_the_backward(inner, tmp_path):
+    params = make_params()
+    split, _ = train(inner, params, tmp_path / "split", 6, overlapped=False, host_cache="256KiB")
+    overlapped, stats = train(inner, params, tmp_path / "overlap", 6, overlapped=True, host_cache="256KiB")
+    assert_same_bits(overlapped, split, "overlapped vs split")
+    assert not any(s.rolled_back for s in stats)
+    # Counted by the library, not the clock: in most steps the backward's update kept handed-over grads, and
+    # subgroups ran before update was called (the first arrives with the last layer's grads, while the backward
+    # still has the other layers to go). A callback can come after its program's outputs are ready, so one step
+    # may find its grads given before it kept any.
+    assert all(0 <= s.overlap_s <= s.seconds for s in stats)
+    assert sum(s.overlap_bytes > 0 for s in stats) > len(stats) // 2, [s.overlap_bytes for s in stats]
+    assert sum(s.overlapped > 0 for s in stats) > len(stats) // 2, [s.overlapped for s in stats]
+
+
+def test_a_clipping_that_fires_rolls_the_step_back_and_one_that_does_not_commits_it(tmp_path):
+    params = make_params()
+    norms = global_norms(params, 6)
+    clip = float(np.median(norms))  # fires in some steps, not in others
+    split, _ = train(optax.adam(1e-2), params, tmp_path / "split", 6, overlapped=False, clip=clip)
+    overlapped, stats = train(optax.adam(1e-2), params, tmp_path / "overlap", 6, overlapped=True, clip=clip)
+    assert_same_bits(overlapped, split, "overlapped vs split, with clipping")
+    fired = [s.rolled_back for s in stats]
+    assert any(fired) and not all(fired), fired
+    assert all(s.overlapped == 0 for s in stats if s.rolled_back)
+
+
+def test_bf16_params_with_fp32_masters(tmp_path):
+    params = make_params(jnp.bfloat16)
+    options = {"master_dtype": jnp.float32}
+    split, _ = train(optax.adamw(1e-2), params, tmp_path / "split", 6, overlapped=False, **options)
+    overlapped, stats = train(optax.adamw(1e-2), params, tmp_path / "overlap", 6, overlapped=True, **options)
+    assert_same_bits(overlapped, split, "bf16 with fp32 masters")
+    assert sum(s.overlapped for s in stats) > 0 and not any(s.rolled_back for s in stats)
+
+
+def test_with_accumulation_only_the_windows_last_backward_overlaps(tmp_path):
+    params = make_params()
+    split, split_stats = train(optax.adam(1e-2), params, tmp_path / "split", 9, overlapped=False, accumulate_steps=3)
+    overlapped, stats = train(optax.adam(1e-2), params, tmp_path / "overlap", 9, overlapped=True, accumulate_steps=3)
+    assert_same_bits(overlapped, split, "accumulate_steps=3")
+    assert [stats[i].step for i in (2, 5, 8)] == [split_stats[i].step for i in (2, 5, 8)] == [1, 2, 3]
+    windows_last = [stats[i] for i in (2, 5, 8)]
+    assert all(s.overlap_bytes > 0 and not s.rolled_back for s in windows_last), [s.overlapped for s in windows_last]
+    assert sum(s.overlapped for s in windows_last) > 0
+
+
+def test_the_grads_kept_in_host_memory_stay_within_the_window(tmp_path):
+    """Only the subgroups about to run keep their handed-over grads (and params): prefetch_depth + 1 of them."""
+    params = make_params()
+    _, stats = train(optax.adamw(1e-2), params, tmp_path / "a", 4, overlapped=True, prefetch_depth=2)
+    leaf = WIDTH * WIDTH * 4  # the largest block: a whole weight, grads and params
+    bound = (2 + 1 + 1) * 2 * leaf  # a leaf of several subgroups is held from its first to its last
+    assert all(0 < s.overlap_bytes <= bound for s in stats), ([s.overlap_bytes for s in stats], bound)
+    grads_bytes = 2 * sum(x.nbytes for x in jax.tree.leaves(params))
+    assert max(s.overlap_bytes for s in stats) < grads_bytes / 2
+
+
+def test_apply_after_an_overlapped_backward_undoes_it_and_is_the_split_apply(tmp_path, caplog):
+    params = make_params(jnp.bfloat16)
+    results = {}
+    for overlapped in (False, True):
+        offload = jax_mlp.mlp_offload(
+            optax.adam(1e-2), paths=[tmp_path / str(overlapped)], subgroup_size=SUBGROUP, master_dtype=jnp.float32
+        )
+        grads_of = jax.jit(jax.grad(lambda q, x, o=overlapped, f=offload: loss(f.overlap(q) if o else q, x)))
+        p = jax.tree.map(jnp.copy, params)
+        with offload, caplog.at_level(logging.WARNING, logger="jax_mlp"):
+            state = offload.init(p)
+            for step in range(3):
+                p, state = offload.apply(grads_of(p, batch(step)), state, p)
+                assert offload.stats.rolled_back == (overlapped and step == 0), (overlapped, step)
+        results[overlapped] = p
+    assert_same_bits(results[True], results[False], "apply")
+    assert "use update with overlap" in caplog.text
+
+
+def test_a_second_backward_in_one_step_and_a_flush_before_update_fall_back_exactly(tmp_path):
+    params = make_params()
+    split, _ = train(optax.adam(1e-2), params, tmp_path / "split", 3, overlapped=False)
+    offload = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "o"], subgroup_size=SUBGROUP)
+    grads_of = jax.jit(jax.grad(lambda q, x: loss(offload.overlap(q), x)))
+    with offload:
+        state = offload.init(params)
+        p = params
+        for step in range(3):
+            grads = grads_of(p, batch(step))
+            if step == 0:
+                grads = grads_of(p, batch(step))  # the same leaves handed over twice: the step is not trusted
+            if step == 1:
+                jax.block_until_ready(grads)  # the backward has handed its grads over: an update has started
+                offload.flush()  # the offloader used before update: the started update is undone
+            updates, state = offload.update(grads, state, p)
+            p = optax.apply_updates(p, updates)
+            assert offload.stats.rolled_back == (step < 2), step
+    assert_same_bits(p, split, "after a duplicate backward and a flush")
+
+
+def test_sharded_over_eight_devices(tmp_path):
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = {k: jax.device_put(v, shard if v.ndim == 2 else replicated) for k, v in make_params().items()}
+    split, _ = train(optax.adamw(1e-2), params, tmp_path / "split", 4, overlapped=False)
+    overlapped, stats = train(optax.adamw(1e-2), params, tmp_path / "overlap", 4, overlapped=True)
+    assert_same_bits(overlapped, split, "sharded")
+    assert sum(s.overlapped for s in stats) > 0 and not any(s.rolled_back for s in stats)
+    assert all(overlapped[k].sharding.is_equivalent_to(params[k].sharding, 2 - (k[0] == "b")) for k in params)
+
+
+def test_overlap_refuses_what_it_cannot_run_exactly(tmp_path):
+    params = make_params()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "lazy"], flush="lazy") as offload:
+        offload.init(params)
+        with pytest.raises(jax_mlp.OffloadError, match="flush='idle'"):
+            jax.grad(lambda q: loss(offload.overlap(q), batch(0)))(params)
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "tree"]) as offload:
+        offload.init(params)
+        with pytest.raises(jax_mlp.OffloadError, match="another tree"):
+            offload.overlap({"w0": params["w0"]})
+    with pytest.raises(jax_mlp.OffloadError, match="before init"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "new"]).overlap(params)
+
+
+def test_the_fingerprint_tells_apart_arrays_that_differ_in_one_bit_or_one_place():
+    x = jax.random.normal(jax.random.PRNGKey(3), (64, 48))
+    marks = {
+        "same": fingerprint(jnp.array(x)),
+        "one bit": fingerprint(jax.lax.bitcast_convert_type(x.view(jnp.uint32).at[5, 7].add(1), jnp.float32)),
+        "swapped": fingerprint(x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])),
+        "-0.0": fingerprint(jnp.zeros(8)),
+        "+0.0": fingerprint(-jnp.zeros(8)),
+        "bf16": fingerprint(x.astype(jnp.bfloat16)),
+    }
+    assert np.array_equal(marks["same"], fingerprint(x))
+    words = [tuple(np.asarray(m)) for m in marks.values()]
+    assert len(set(words)) == len(words), marks
