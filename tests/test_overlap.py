@@ -19,6 +19,9 @@ import pytest
 from helpers import assert_same_bits
 
 import jax_mlp
+from jax_mlp._src.cli import main as cli
+from jax_mlp._src.cli import speeds
+from jax_mlp._src.schedule.performance import PathSpeed, predict_step
 from jax_mlp._src.stream.arrivals import fingerprint
 
 WIDTH, LAYERS, BATCH = 192, 6, 128
@@ -215,3 +218,34 @@ def test_the_fingerprint_tells_apart_arrays_that_differ_in_one_bit_or_one_place(
     assert np.array_equal(marks["same"], fingerprint(x))
     words = [tuple(np.asarray(m)) for m in marks.values()]
     assert len(set(words)) == len(words), marks
+
+
+def test_the_model_puts_the_overlapped_step_at_the_larger_of_compute_and_io():
+    one_pipe = PathSpeed("disk", 200e6, 200e6, serial=1.0)
+    duplex = one_pipe._replace(serial=0.0)
+    run = {"num_records": 64, "record_bytes": 4e6, "cache_bytes": 64e6, "prefetch_records": 4}
+    state, cached = 64 * 4e6, 64e6
+    io = {"one pipe": (state - cached) / 200e6 + state / 200e6, "duplex": state / 200e6}  # read S - C, write S
+    for name, path in (("one pipe", one_pipe), ("duplex", duplex)):
+        for compute in (0.5 * io[name], io[name], 2 * io[name]):
+            split = predict_step([path], forward_backward_seconds=compute, overlapped=False, **run)
+            overlapped = predict_step([path], forward_backward_seconds=compute, overlapped=True, **run)
+            assert max(compute, io[name]) <= overlapped <= 1.05 * max(compute, io[name]) + compute / 3, name
+            assert split > overlapped
+    assert predict_step([duplex], forward_backward_seconds=0.1, overlapped=True, **run) < predict_step(
+        [one_pipe], forward_backward_seconds=0.1, overlapped=True, **run
+    )
+
+
+def test_plan_prints_both_steps_and_takes_a_full_duplex_path(capsys):
+    assert speeds.declared_speed("nvme=4GB/s:2GB/s:duplex") == PathSpeed("nvme", 4e9, 2e9, 0.0)
+    assert speeds.declared_speed("nvme=4GB/s:2GB/s").serial == 1.0
+    common = ["plan", "--params", "2e8", "--compute-s", "2", "--host-cache", "256MiB"]
+    steps = {}
+    for entry in ("disk=1GB/s", "disk=1GB/s:1GB/s:duplex"):
+        assert cli.main([*common, "--paths", entry]) == 0
+        out = capsys.readouterr().out
+        steps[entry] = [line.split()[2:4] for line in out.splitlines() if line.strip().startswith("step, ")]
+    for rows in steps.values():
+        assert len(rows) == 2 and float(rows[1][0]) < float(rows[0][0]), rows
+    assert float(steps["disk=1GB/s:1GB/s:duplex"][0][0]) < float(steps["disk=1GB/s"][0][0])

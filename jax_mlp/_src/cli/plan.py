@@ -15,7 +15,7 @@ from jax_mlp._src.cli.sizing import Compute, Workload, flops_seconds, link_secon
 from jax_mlp._src.cli.speeds import PROBE_SIZE, path_speeds
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.plan import remainders
-from jax_mlp._src.schedule.performance import ABLATION, predict_variant
+from jax_mlp._src.schedule.performance import ABLATION, predict_variant, predict_variant_step
 
 MASTER_BYTES = 4
 """Bytes per param of the fp32 master copy (``--master``), and of its update."""
@@ -89,6 +89,7 @@ def handle(args: argparse.Namespace) -> int:
     cache = parse_size(args.host_cache, name="--host-cache") / work.processes_per_node
     compute = _compute(args, work)
     link = rate(args.link, "--link")
+    idle = math.inf if compute.seconds is None else compute.seconds
     common = dict(
         num_records=work.num_records,
         record_bytes=work.record_bytes,
@@ -96,11 +97,16 @@ def handle(args: argparse.Namespace) -> int:
         processes_per_node=work.processes_per_node,
         contention=args.contention,
         compute_seconds=link_seconds(work, link),
-        idle_seconds=math.inf if compute.seconds is None else compute.seconds,
         prefetch_depth=work.prefetch_depth,
         write_back=args.flush == "idle",
     )
-    full = predict_variant(ABLATION[-1], speeds, **common)
+    full = predict_variant(ABLATION[-1], speeds, idle_seconds=idle, **common)
+    steps = None
+    if compute.seconds is not None:
+        steps = tuple(
+            predict_variant_step(ABLATION[-1], speeds, forward_backward_seconds=compute.seconds, overlapped=o, **common)
+            for o in (False, True)
+        )
     print(
         f"{work.params:.3g} params, {work.state_bytes_per_param:.3g} B of offloaded state each: "
         f"{format_bytes(work.state_bytes)} per process, {work.nodes} node(s), {work.processes_per_node} process(es) "
@@ -118,11 +124,11 @@ def handle(args: argparse.Namespace) -> int:
     plan_tables.print_host(args, work, cache)
     plan_tables.print_paths(speeds, work, full)
     plan_tables.print_update(args, work, full, link)
-    plan_tables.print_step(compute, full)
-    baseline = predict_variant(ABLATION[0], speeds, **common).seconds
+    plan_tables.print_step(compute, full, steps)
+    baseline = predict_variant(ABLATION[0], speeds, idle_seconds=idle, **common).seconds
     print(f"{'mechanisms':<22} {'update':>10} {'vs baseline':>12}")
     for variant in ABLATION:
-        seconds = predict_variant(variant, speeds, **common).seconds
+        seconds = predict_variant(variant, speeds, idle_seconds=idle, **common).seconds
         print(
             f"{variant.name:<22} {plan_tables.format_seconds(seconds):>10} {plan_tables.ratio(baseline, seconds):>12}"
         )

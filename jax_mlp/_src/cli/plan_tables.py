@@ -134,8 +134,8 @@ def print_update(args: argparse.Namespace, work: Workload, full: Prediction, lin
     print()
 
 
-def print_step(compute: Compute, full: Prediction) -> None:
-    """Per step: the forward and backward, whether the I/O between updates fits in it, the step."""
+def print_step(compute: Compute, full: Prediction, steps: tuple[float, float] | None) -> None:
+    """Per step: the forward and backward, whether the I/O between updates fits in it, the step split and overlapped."""
     print("per step")
     if compute.seconds is None:
         _row("forward + backward", "?", compute.source)
@@ -152,7 +152,13 @@ def print_step(compute: Compute, full: Prediction) -> None:
     )
     _row("I/O between updates", format_seconds(full.idle_io_seconds), fit)
     _row("update", format_seconds(full.seconds))
-    step = compute.seconds + full.seconds
-    throughput = f"{compute.tokens / step:.3g} tokens/s" if compute.tokens else ""
-    _row("step", format_seconds(step), throughput)
+    for (label, note), step in zip(_STEPS, steps, strict=True):
+        throughput = f"{compute.tokens / step:.3g} tokens/s; " if compute.tokens else ""
+        _row(label, format_seconds(step), throughput + note)
     print()
+
+
+_STEPS = (
+    ("step, split", "the update after the forward and backward"),
+    ("step, overlapped", "offload.overlap: the update streams during the backward"),
+)

@@ -6,6 +6,7 @@ import argparse
 
 from jax_mlp._src.cli.command import DEFAULTS, Command, argument
 from jax_mlp._src.cli.speeds import (
+    DUPLEX,
     PROBE_INFLIGHT,
     PROBE_RECORD,
     PROBE_SIZE,
@@ -31,21 +32,38 @@ def handle(args: argparse.Namespace) -> int:
         )
         blocks = [capacity.BLOCK if room is None else room.block for room in rooms]
         needs = path_needs([measured_speed(r) for r in results], records, blocks)
-    print(f"{'path':<40} {'read':>12} {'write':>12} {'free':>12}" + (f" {'needs':>12}" if needs else ""))
+    print(
+        f"{'path':<40} {'read':>12} {'write':>12} {'both at once':>14} {'free':>12}"
+        + (f" {'needs':>12}" if needs else "")
+    )
     for index, (result, room) in enumerate(zip(results, rooms, strict=True)):
         line = f"{result.path:<40} {result.read_bandwidth / 1e6:>9.0f} MB/s {result.write_bandwidth / 1e6:>9.0f} MB/s"
-        line += f" {'-' if room is None else format_bytes(room.free):>12}"
+        line += f" {_together(result.serial):>14} {'-' if room is None else format_bytes(room.free):>12}"
         if needs:
             short = room is not None and needs[index] > room.free
             line += f" {format_bytes(needs[index]):>12}" + ("  (short)" if short else "")
         print(line)
+    print(
+        "(both at once: how reading and writing together compare with each alone; duplex paths do both at full speed)"
+    )
     if needs:
         print(f"(needs: two slots of each record of its share of {args.state}, plus {capacity.HEADROOM:.0%} headroom)")
     if None in rooms:
         print("(free: -, an object store has no free-space figure, and init does not check its room)")
-    rates = ",".join(f"{r.path}={r.read_bandwidth / 1e6:.0f}MB/s:{r.write_bandwidth / 1e6:.0f}MB/s" for r in results)
+    rates = ",".join(
+        f"{r.path}={r.read_bandwidth / 1e6:.0f}MB/s:{r.write_bandwidth / 1e6:.0f}MB/s"
+        + (f":{DUPLEX}" if r.serial < 0.5 else "")
+        for r in results
+    )
     print(f"for jax-mlp plan elsewhere: --paths {rates}")
     return 0
+
+
+def _together(serial: float) -> str:
+    """What the probe's third phase found: a full-duplex path, one pipe, or between (the ``serial`` share)."""
+    if serial < 0.5:
+        return f"{DUPLEX} ({serial:.2f})"
+    return f"one pipe ({serial:.2f})" if serial > 0.8 else f"partly ({serial:.2f})"
 
 
 COMMAND = Command(

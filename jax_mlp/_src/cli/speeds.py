@@ -44,15 +44,22 @@ def probe_location(location: str, total: int, record: int, inflight: int) -> Pro
         raise UsageError(str(error)) from None
 
 
+DUPLEX = "duplex"
+"""The suffix of a ``--paths`` entry whose path reads and writes at once at full speed (``NAME=READ:WRITE:duplex``)."""
+
+
 def declared_speed(item: str) -> PathSpeed:
-    """``NAME=RATE`` or ``NAME=READ:WRITE``: read first, as ``jax-mlp probe`` prints them."""
+    """``NAME=RATE`` or ``NAME=READ:WRITE``, read first, as ``jax-mlp probe`` prints them; ``:duplex`` at the end
+    for a path whose directions do not slow each other (a kernel throttle per direction, a PFS client's link)."""
     name, _, rates = item.partition("=")
     if not name or not rates:
         raise UsageError(
             f"--paths entry {item!r} is neither a directory here nor NAME=RATE or NAME=READ:WRITE, e.g. nvme=5GB/s"
         )
+    rates, duplex = rates.removesuffix(f":{DUPLEX}"), rates.endswith(f":{DUPLEX}")
     read, _, write = rates.partition(":")
-    return PathSpeed(name, rate(read, f"{name} read"), rate(write or read, f"{name} write"))
+    serial = 0.0 if duplex else 1.0
+    return PathSpeed(name, rate(read, f"{name} read"), rate(write or read, f"{name} write"), serial)
 
 
 def path_speeds(entries: Sequence[str], probe_bytes: int) -> list[PathSpeed]:

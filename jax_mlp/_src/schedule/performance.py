@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jax_mlp._src.config import Path
 from jax_mlp._src.storage.probe import ProbeResult, probe
@@ -83,8 +83,8 @@ def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
 
 
 def measured_speed(result: ProbeResult) -> PathSpeed:
-    """A probe's measurement of a path, as the model's speed of it."""
-    return PathSpeed(result.path, result.read_bandwidth, result.write_bandwidth)
+    """A probe's measurement of a path, as the model's speed of it (its directions' overlap included)."""
+    return PathSpeed(result.path, result.read_bandwidth, result.write_bandwidth, result.serial)
 
 
 def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
@@ -99,13 +99,13 @@ def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
     Returns:
       The path's speed.
     """
-    read, write = path.read_bandwidth, path.write_bandwidth
+    read, write, serial = path.read_bandwidth, path.write_bandwidth, 1.0
     if (read is None or write is None) and run_probe:
         measured = probe(path, total_bytes=INIT_PROBE_BYTES)
-        read, write = read or measured.read_bandwidth, write or measured.write_bandwidth
+        read, write, serial = read or measured.read_bandwidth, write or measured.write_bandwidth, measured.serial
     read = read or path.max_read or write or path.max_write or DEFAULT_BANDWIDTH
     write = write or path.max_write or read
-    return PathSpeed(path.name, read, write)
+    return PathSpeed(path.name, read, write, serial)
 
 
 def critical_records(num_records: int, cached_records: int, *, alternate: bool) -> tuple[int, int, int]:
@@ -115,6 +115,12 @@ def critical_records(num_records: int, cached_records: int, *, alternate: bool) 
         return 0, 0, num_records
     reads = num_records - cached if alternate else num_records
     return reads, num_records - cached, cached
+
+
+def _sharing(processes_per_node: int, contention: float) -> float:
+    """How much longer a path takes for each process when ``processes_per_node`` share it (``contention``
+    is the bandwidth kept when they collide without the node lock)."""
+    return processes_per_node / (contention if processes_per_node > 1 else 1.0)
 
 
 def predict(
@@ -159,7 +165,7 @@ def predict(
     reads, writes, idle = critical_records(num_records, cached, alternate=alternate)
     idle = idle if write_back else 0
     early = min(reads, prefetch_records)
-    factor = processes_per_node / (contention if processes_per_node > 1 else 1.0)
+    factor = _sharing(processes_per_node, contention)
     bytes_read = tuple(s * reads * record_bytes for s in shares)
     bytes_written = tuple(s * writes * record_bytes for s in shares)
     path_seconds = tuple(
@@ -178,6 +184,56 @@ def predict(
     return Prediction(
         seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed
     )
+
+
+FORWARD_SHARE = 1 / 3
+"""Of a step's forward and backward, the forward's share: a backward does about twice its arithmetic. An
+update that overlaps the backward starts with it; only idle-time I/O runs during the forward."""
+
+
+def predict_step(
+    paths: Sequence[PathSpeed],
+    *,
+    forward_backward_seconds: float,
+    overlapped: bool,
+    num_records: int,
+    record_bytes: float,
+    **update: Any,
+) -> float:
+    """One training step's seconds: the forward and backward ``F`` and the update, one after the other or overlapped.
+
+    Split, the step is ``F`` plus the update, whose idle-time I/O has ``F`` to run in (:func:`predict`).
+    Overlapped (``offload.overlap``), the update starts with the backward, in the order its grads come,
+    and the host cache keeps the records that arrive last: the same bytes move, but the step's I/O ``D``
+    (all reads and writes of a step, each path with both directions at once as its ``serial`` allows)
+    runs beside the compute. During the forward only the idle-time I/O can run, so the step is
+    ``max(F, F_fwd + D - min(idle, F_fwd))``, plus the last subgroup's compute after its grads arrive.
+
+    Args:
+      paths: the paths and their bandwidths.
+      forward_backward_seconds: ``F``, the forward and backward of one step.
+      overlapped: whether the update overlaps the backward.
+      num_records: subgroups in the plan (per process).
+      record_bytes: bytes of one record.
+      **update: the other arguments of :func:`predict` (cache, shares, compute, processes, ...).
+
+    Returns:
+      Seconds.
+    """
+    one = predict(
+        paths, num_records=num_records, record_bytes=record_bytes, idle_seconds=forward_backward_seconds, **update
+    )
+    if not overlapped:
+        return forward_backward_seconds + one.seconds
+    factor = _sharing(update.get("processes_per_node", 1), update.get("contention", 1.0))
+    idle_writes = [s * one.idle_write_bytes for s in one.shares]
+    step_io = max(
+        factor * p.seconds(read, written + idle)
+        for p, read, written, idle in zip(paths, one.bytes_read, one.bytes_written, idle_writes, strict=True)
+    )
+    forward = FORWARD_SHARE * forward_backward_seconds
+    tail = update.get("compute_seconds", 0.0) / num_records
+    return max(forward_backward_seconds, forward + step_io - min(one.idle_io_seconds, forward)) + tail
 
 
 class Variant(NamedTuple):
@@ -204,7 +260,7 @@ ABLATION = (
 )
 
 
-def predict_variant(
+def _variant(
     variant: Variant,
     paths: Sequence[PathSpeed],
     *,
@@ -214,31 +270,48 @@ def predict_variant(
     processes_per_node: int = 1,
     contention: float = 0.8,
     compute_seconds: float = 0.0,
-    idle_seconds: float = math.inf,
     prefetch_depth: int = 1,
     write_back: bool = True,
-) -> Prediction:
-    """The prediction for one ablation variant.
+) -> tuple[tuple[PathSpeed, ...], dict[str, Any]]:
+    """The paths one ablation variant uses and the arguments of :func:`predict` it means.
 
-    The baseline uses the first path with no cache; without ``balanced`` the split is equal
-    (a fixed ratio, as in the paper) and nothing is prefetched in idle time; with it, the first
+    The baseline uses the first path with no cache; without ``balanced`` the split is equal (a fixed
+    ratio, as in the paper) and nothing is prefetched in idle time; with it, the first
     ``prefetch_depth`` reads of the update are. ``write_back`` is as for :func:`predict`.
     """
     used = tuple(paths) if variant.multipath else tuple(paths[:1])
-    return predict(
-        used,
+    return used, dict(
         num_records=num_records,
         record_bytes=record_bytes,
         cache_bytes=cache_bytes if variant.alternate else 0,
         alternate=variant.alternate,
         shares=None if variant.balanced else tuple(1 / len(used) for _ in used),
         compute_seconds=compute_seconds,
-        idle_seconds=idle_seconds,
         processes_per_node=processes_per_node,
         contention=1.0 if variant.node_lock else contention,
         prefetch_records=prefetch_depth if variant.balanced else 0,
         write_back=write_back,
     )
+
+
+def predict_variant(
+    variant: Variant, paths: Sequence[PathSpeed], *, idle_seconds: float = math.inf, **run: Any
+) -> Prediction:
+    """The update of one ablation variant (:func:`predict`), with ``idle_seconds`` between updates.
+
+    ``run`` is the run's ``num_records``, ``record_bytes``, ``cache_bytes``, ``processes_per_node``,
+    ``contention``, ``compute_seconds``, ``prefetch_depth`` and ``write_back``.
+    """
+    used, options = _variant(variant, paths, **run)
+    return predict(used, idle_seconds=idle_seconds, **options)
+
+
+def predict_variant_step(
+    variant: Variant, paths: Sequence[PathSpeed], *, forward_backward_seconds: float, overlapped: bool, **run: Any
+) -> float:
+    """The step of one ablation variant (:func:`predict_step`), split or overlapped; ``run`` as for :func:`predict_variant`."""
+    used, options = _variant(variant, paths, **run)
+    return predict_step(used, forward_backward_seconds=forward_backward_seconds, overlapped=overlapped, **options)
 
 
 class Loads:

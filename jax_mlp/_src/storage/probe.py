@@ -30,12 +30,16 @@ class ProbeResult(NamedTuple):
       read_bandwidth: bytes/s read.
       write_bandwidth: bytes/s written.
       nbytes: bytes moved each way.
+      serial: how far reading and writing at once serialise: 0 when the two take no longer together than
+        the slower alone (a full-duplex device: a kernel throttle per direction, a network link), 1 when
+        they take their sum (one pipe shared by both).
     """
 
     path: str
     read_bandwidth: float
     write_bandwidth: float
     nbytes: int
+    serial: float = 1.0
 
 
 def _scratch(path: Path) -> Path:
@@ -70,7 +74,10 @@ def _timed(calls: list, inflight: int) -> float:
 def probe(
     path: Path, *, total_bytes: int = 256 * 1024**2, record_bytes: int = 16 * 1024**2, inflight: int = 4
 ) -> ProbeResult:
-    """Measures a path's write and read bandwidth with records like training's.
+    """Measures a path's write and read bandwidth with records like training's, and whether it does both at once.
+
+    It writes the records, reads them back, then reads them while writing as many again: the third
+    phase against the first two says how far the directions serialise (``ProbeResult.serial``).
 
     Args:
       path: the path to measure (its caps apply, as in training).
@@ -86,12 +93,20 @@ def probe(
     record = new_record(record_bytes)
     record[64:] = np.random.default_rng(0).integers(0, 256, record_bytes, dtype=np.uint8)
     seal(record, 0, bytes(16))
+    local = not isinstance(path.location, dict)
     try:
         written = _timed([lambda k=k: store.write(k, 0, record) for k in range(count)], inflight)
-        if not isinstance(path.location, dict):
+        if local:
             drop_page_cache(store.directory)
         read = _timed([lambda k=k: store.read(k, 0) for k in range(count)], inflight)
+        if local:
+            drop_page_cache(store.directory)
+        both = [lambda k=k: store.read(k, 0) for k in range(count)] + [
+            lambda k=k: store.write(k, 1, record) for k in range(count)
+        ]
+        together = _timed(both, 2 * inflight)  # each direction with its own ``inflight``
     finally:
         store.remove()
     nbytes = count * record.nbytes
-    return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes)
+    serial = (together - max(read, written)) / min(read, written)
+    return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes, min(1.0, max(0.0, serial)))

@@ -1,0 +1,245 @@
+"""The step with the update overlapped with the backward pass, against the split step, in one run.
+
+A real model (tanh layers of ``--width``, adam over ``--state`` of fp32 state) trains on one path:
+a device throttled by the kernel (``--devices real``: a loop-backed ext4 under a blkio cgroup, each
+direction apart; needs root) or the library's own caps (``--devices emulated``). ``D``, the disk time
+of what a step must move (read ``S - C``, write ``S``, both directions at once as far as the path
+serialises them), is measured in the same run with the probe. The batch is sized so the forward and
+backward take ``F`` of about ``--factors`` × ``D``. For each factor and each of ``--runs`` runs, the
+same steps run split (grads, then ``tx.update``) and overlapped (``offload.overlap`` in the loss),
+one after the other; the figures are each run's median step, against ``max(F, D)`` plus the
+in-memory update's compute (``optax.adam`` jitted on the same params), and against the performance
+model's prediction (``plan``'s). The peak RSS of both is sampled in the same run. Default options
+otherwise (host cache ``--cache-fraction`` of the state).
+
+Writes ``overlap_<devices>.json`` into ``--out``.
+
+    sudo python benchmarks/overlap.py --devices real --out benchmarks/results
+    python benchmarks/overlap.py --devices emulated --out benchmarks/results
+    python benchmarks/overlap.py --smoke --out /tmp/overlap        # a few seconds, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import pathlib
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import optax
+import psutil
+from common import parse_with_smoke, print_and_save
+
+import jax_mlp
+from jax_mlp._src.schedule.performance import measured_speed, predict_step
+from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.record import HEADER_SIZE
+
+SMOKE = {"state": "8MiB", "width": 256, "runs": 1, "steps": 3, "factors": [1.0], "devices": "emulated"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", choices=("real", "emulated"), default="emulated")
+    parser.add_argument("--rate", default="200MB/s", help="the path's rate, each way")
+    parser.add_argument("--state", default="128MiB", help="adam state (two fp32 moments: the params are half)")
+    parser.add_argument("--width", type=int, default=1024, help="width of each tanh layer")
+    parser.add_argument("--cache-fraction", type=float, default=0.25)
+    parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="F over D")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="steps per route and run; the first is not counted")
+    parser.add_argument("--out", default="results")
+    return parse_with_smoke(parser, argv, SMOKE)
+
+
+@contextlib.contextmanager
+def the_path(args: argparse.Namespace) -> Iterator[jax_mlp.Path]:
+    """The path under test: a kernel-throttled device, or a directory with the library's caps."""
+    rate = jax_mlp.parse_rate(args.rate)
+    if args.devices == "emulated":
+        with tempfile.TemporaryDirectory(prefix="jax_mlp_overlap_") as root:
+            yield jax_mlp.Path(root, max_read=rate, max_write=rate)
+        return
+    import devices
+
+    size = 8 * jax_mlp.parse_size(args.state)
+    with devices.throttled_devices([devices.Throttle(rate, rate)], size) as made:
+        devices.join(made)
+        yield jax_mlp.Path(made.devices[0].mount)
+
+
+def layers_for(args: argparse.Namespace) -> int:
+    """Layers of ``width`` whose adam state is about ``--state``."""
+    return max(2, round(jax_mlp.parse_size(args.state) / 8 / args.width**2))
+
+
+def make_params(layers: int, width: int) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), layers)
+    return {f"w{i}": jax.random.normal(k, (width, width)) / math.sqrt(width) for i, k in enumerate(keys)}
+
+
+def loss(params: dict, x: jax.Array) -> jax.Array:
+    for i in range(len(params)):
+        x = jnp.tanh(x @ params[f"w{i}"])
+    return jnp.mean(x**2)
+
+
+def forward_backward_seconds(params: dict, rows: int) -> float:
+    """The median time of a jitted forward and backward with a batch of ``rows``."""
+    grad = jax.jit(jax.grad(loss))
+    x = jnp.ones((rows, next(iter(params.values())).shape[0]))
+    jax.block_until_ready(grad(params, x))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(grad(params, x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rows_for(params: dict, target: float) -> int:
+    """The batch whose forward and backward take about ``target`` seconds (linear in the rows)."""
+    per_row = forward_backward_seconds(params, 256) / 256
+    return max(8, round(target / per_row))
+
+
+class PeakRss:
+    """The peak resident memory while in a ``with``, sampled every millisecond."""
+
+    def __enter__(self) -> PeakRss:
+        self.peak, self._done = 0, threading.Event()
+        process = psutil.Process()
+
+        def sample() -> None:
+            while not self._done.is_set():
+                self.peak = max(self.peak, process.memory_info().rss)
+                time.sleep(0.001)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, cache: int, overlapped: bool) -> dict:
+    """``steps`` steps on a fresh run directory; each step's wall time, and the update's stats."""
+    location = os.path.join(path.location, root)
+    offload = jax_mlp.mlp_offload(
+        optax.adam(1e-3),
+        paths=[jax_mlp.Path(location, max_read=path.max_read, max_write=path.max_write)],
+        host_cache=cache,
+    )
+    grads_of = jax.jit(jax.grad(lambda p, x: loss(offload.overlap(p) if overlapped else p, x)))
+    x = jnp.ones((rows, next(iter(params.values())).shape[0]))
+    seconds, stats = [], []
+    with offload, PeakRss() as rss:
+        state = offload.init(params)
+        for _ in range(steps):
+            start = time.perf_counter()
+            updates, state = offload.update(grads_of(params, x), state, params)
+            params = jax.block_until_ready(optax.apply_updates(params, updates))
+            seconds.append(time.perf_counter() - start)
+            stats.append(offload.stats)
+        offload.close(delete=True)
+    return {
+        "step_s": seconds,
+        "median_step_s": statistics.median(seconds[1:]),
+        "overlapped": [s.overlapped for s in stats],
+        "rolled_back": sum(s.rolled_back for s in stats),
+        "peak_rss": rss.peak,
+        "num_records": len(offload.offloader.plan.subgroups),
+    }
+
+
+def in_memory_update_seconds(params: dict) -> float:
+    """The compute of one plain optax adam update of ``params``, jitted, in memory."""
+    tx = optax.adam(1e-3)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    jax.block_until_ready(update(grads, state, params))
+    start = time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(update(grads, state, params))
+    return (time.perf_counter() - start) / 3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    layers = layers_for(args)
+    params = make_params(layers, args.width)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    state_bytes = 2 * param_bytes
+    cache = int(args.cache_fraction * state_bytes)
+    compute = in_memory_update_seconds(params)
+    result = {"devices": args.devices, "rate": args.rate, "layers": layers, "width": args.width}
+    result.update(state_bytes=state_bytes, cache_bytes=cache, in_memory_update_s=compute, factors=[])
+    with the_path(args) as path:
+        measured = probe(path, total_bytes=min(64 * 2**20, state_bytes), record_bytes=4 * 2**20)
+        speed = measured_speed(measured)
+        disk = speed.seconds(state_bytes - cache, state_bytes)
+        result.update(probe=measured._asdict(), disk_s=disk)
+        for factor in args.factors:
+            rows = rows_for(params, factor * disk)
+            runs = []
+            for run in range(args.runs):
+                forward_backward = forward_backward_seconds(params, rows)
+                split = train(path, f"split{run}", params, rows, args.steps, cache, overlapped=False)
+                overlapped = train(path, f"overlap{run}", params, rows, args.steps, cache, overlapped=True)
+                ideal = max(forward_backward, disk) + compute
+                records = split["num_records"]
+                model = {
+                    name: predict_step(
+                        [speed],
+                        forward_backward_seconds=forward_backward,
+                        overlapped=name == "overlapped",
+                        num_records=records,
+                        record_bytes=HEADER_SIZE + state_bytes / records,
+                        cache_bytes=cache,
+                        compute_seconds=compute,
+                        prefetch_records=jax_mlp.OffloadConfig.defaults()["prefetch_depth"],
+                    )
+                    for name in ("split", "overlapped")
+                }
+                runs.append(
+                    {
+                        "forward_backward_s": forward_backward,
+                        "split": split,
+                        "overlapped": overlapped,
+                        "ideal_s": ideal,
+                        "overlapped_over_ideal": overlapped["median_step_s"] / ideal,
+                        "split_over_ideal": split["median_step_s"] / ideal,
+                        "model_s": model,
+                        "model_error": {
+                            name: model[name] / route["median_step_s"] - 1
+                            for name, route in (("split", split), ("overlapped", overlapped))
+                        },
+                        "peak_rss_overlapped_over_split": overlapped["peak_rss"] / split["peak_rss"],
+                    }
+                )
+            result["factors"].append({"factor": factor, "rows": rows, "runs": runs})
+    result["worst_overlapped_over_ideal"] = max(
+        r["overlapped_over_ideal"] for f in result["factors"] for r in f["runs"]
+    )
+    result["worst_model_error"] = max(
+        abs(e) for f in result["factors"] for r in f["runs"] for e in r["model_error"].values()
+    )
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print_and_save(result, out / f"overlap_{args.devices}.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
