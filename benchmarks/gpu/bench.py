@@ -144,14 +144,30 @@ def update_throughput(
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def gpu_arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """``--out`` and ``--dry-run``; exits unless jax sees a GPU or ``--dry-run`` is given."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, any backend")
     args = parser.parse_args(argv)
+    platform = jax.devices()[0].platform
+    if not args.dry_run and platform != "gpu":
+        sys.exit(f"no GPU found (jax sees {platform}); use --dry-run to check the script on a CPU")
+    return args
+
+
+def save(result: dict, out: str, name: str) -> dict:
+    """Writes ``result`` as ``out/name`` (indented JSON), prints it, and returns it."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = gpu_arguments(argv, __doc__)
     device = jax.devices()[0]
-    if not args.dry_run and device.platform != "gpu":
-        sys.exit(f"no GPU found (jax sees {device.platform}); use --dry-run to check the script on a CPU")
     transfer_bytes = (16 << 20) if args.dry_run else (2 << 30)
     num_params = (1 << 20) if args.dry_run else (256 << 20)
     repeats = 2 if args.dry_run else 5
@@ -183,11 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_s": paths["plain"]["offloaded_cached_s"],
         "plain_over_pinned": paths["plain"]["offloaded_cached_s"] / paths["pinned"]["offloaded_cached_s"],
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    return result
+    return save(result, args.out, "gpu.json")
 
 
 if __name__ == "__main__":

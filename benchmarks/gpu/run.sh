@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks of jax_mlp in one command, writing gpu.json to $OUT (default: ./results).
+# GPU checks of jax_mlp in one command, writing gpu.json and host_params.json to $OUT (default: ./results).
 #
-#   bash benchmarks/gpu/run.sh            # on a GPU machine: about 3 minutes on an H200
+#   bash benchmarks/gpu/run.sh            # on a GPU machine: bench.py took about 3 minutes on an H200;
+#                                         # host_params_step.py has not run on a GPU yet
 #   bash benchmarks/gpu/run.sh --dry-run  # anywhere: tiny sizes on the CPU, checks that it all runs
 #
 # Needs only jax, optax and tensorstore (as on the lent H200); jax_mlp is used from this checkout.
@@ -10,4 +11,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out="${OUT:-results}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec timeout 470 "${PYTHON:-python3}" benchmarks/gpu/bench.py --out "$out" "$@"
+timeout 470 "${PYTHON:-python3}" benchmarks/gpu/bench.py --out "$out" "$@"
+exec timeout 300 "${PYTHON:-python3}" benchmarks/gpu/host_params_step.py --out "$out" "$@"

@@ -11,7 +11,7 @@ import numpy as np
 from jax_mlp._src import quantized
 from jax_mlp._src.cli import plan_tables
 from jax_mlp._src.cli.command import DEFAULTS, Command, UsageError, argument, parse_count, rate
-from jax_mlp._src.cli.sizing import Compute, Workload, flops_seconds, link_seconds
+from jax_mlp._src.cli.sizing import Compute, Workload, flops_seconds, link_seconds, params_link_seconds
 from jax_mlp._src.cli.speeds import PROBE_SIZE, path_speeds
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.plan import remainders
@@ -35,13 +35,15 @@ def _stored_master_bytes(args: argparse.Namespace) -> int:
 
 def _workload(args: argparse.Namespace) -> Workload:
     """The run the arguments describe, refusing counts that would make it empty."""
-    for flag in ("nodes", "processes_per_node", "devices_per_node", "prefetch_depth", "write_depth"):
+    for flag in ("nodes", "processes_per_node", "devices_per_node", "prefetch_depth", "write_depth", "layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     for flag in ("contention", "mfu"):
         if not 0 < getattr(args, flag) <= 1:
             raise UsageError(f"--{flag} must be in (0, 1], got {getattr(args, flag)}")
+    if args.params_in == "host" and args.layers is None:
+        raise UsageError("--params-in host needs --layers: a device then holds the params a layer at a time")
     subgroup = parse_size(args.subgroup_size, name="--subgroup-size")
     if subgroup <= 0:
         raise UsageError("--subgroup-size must be positive")
@@ -58,6 +60,8 @@ def _workload(args: argparse.Namespace) -> Workload:
         subgroup_bytes=subgroup,
         prefetch_depth=args.prefetch_depth,
         write_depth=args.write_depth,
+        params_in_host=args.params_in == "host",
+        layers=args.layers or 1,
     )
 
 
@@ -101,10 +105,14 @@ def handle(args: argparse.Namespace) -> int:
         write_back=args.flush == "idle",
     )
     full = predict_variant(ABLATION[-1], speeds, idle_seconds=idle, **common)
+    trips = params_link_seconds(work, link)  # the params' and grads' trips over the link, with params on the host
     steps = None
     if compute.seconds is not None:
+        forward_backward = compute.seconds + trips
         steps = tuple(
-            predict_variant_step(ABLATION[-1], speeds, forward_backward_seconds=compute.seconds, overlapped=o, **common)
+            predict_variant_step(
+                ABLATION[-1], speeds, forward_backward_seconds=forward_backward, overlapped=o, **common
+            )
             for o in (False, True)
         )
     print(
@@ -124,7 +132,7 @@ def handle(args: argparse.Namespace) -> int:
     plan_tables.print_host(args, work, cache)
     plan_tables.print_paths(speeds, work, full)
     plan_tables.print_update(args, work, full, link)
-    plan_tables.print_step(compute, full, steps)
+    plan_tables.print_step(compute, full, steps, trips)
     baseline = predict_variant(ABLATION[0], speeds, idle_seconds=idle, **common).seconds
     print(f"{'mechanisms':<22} {'update':>10} {'vs baseline':>12}")
     for variant in ABLATION:
@@ -148,7 +156,8 @@ COMMAND = Command(
         "  per path: its share, the bytes it moves per update, the room it needs (and its free space,\n"
         "    where the path is a directory on this machine);\n"
         "  per update: bytes read and written, the write-back of the cache between updates, the time;\n"
-        "  per step: the update plus the forward and backward (--compute-s, or estimated from --tflops);\n"
+        "  per step: the update plus the forward and backward (--compute-s, or estimated from --tflops),\n"
+        "    and with --params-in host the params' and grads' trips over the link;\n"
         "  and the gain of each mechanism of the paper.\n"
         "Subgroup size, depths, flush and host cache default to OffloadConfig's. Bandwidths are per node;\n"
         "a directory or an object store (s3://bucket/prefix, gs://bucket/prefix, a JSON kvstore spec) in\n"
@@ -159,7 +168,9 @@ COMMAND = Command(
         "  jax-mlp plan --params 7B --master --paths nvme=7GB/s:5GB/s --processes-per-node 8 \\\n"
         "      --host-cache 1TiB --host-memory 2TB --device-memory 80GB --tflops 989 --tokens-per-step 4M\n"
         "  jax-mlp plan --params 7e9 --master --paths /local/nvme/run1 /lustre/proj/run1 --compute-s 4\n"
-        "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --master --state-codec int8"
+        "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --master --state-codec int8\n"
+        "  jax-mlp plan --params 70B --master --params-in host --layers 80 --processes-per-node 4 \\\n"
+        "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --device-memory 40GB"
     ),
     arguments=(
         argument("--params", required=True, help="parameters of the model, e.g. 70B, 7e9 or 1.5e9 (K, M, B, T)"),
@@ -230,6 +241,19 @@ COMMAND = Command(
             choices=tuple(_DTYPES),
             default=None,
             help="the params' (and grads') dtype on the device (default: bf16 with --master, else fp32)",
+        ),
+        argument(
+            "--params-in",
+            choices=("device", "host"),
+            default="device",
+            help="where the params and grads live: on the devices, or in host memory (pinned_host), streamed "
+            "through the devices a layer at a time, as in examples/host_params.py (default: %(default)s)",
+        ),
+        argument(
+            "--layers",
+            type=int,
+            default=None,
+            help="layers of the model, of --params / --layers each; needed with --params-in host",
         ),
         argument("--nodes", type=int, default=1, help="nodes the state is sharded over (default: %(default)s)"),
         argument(

@@ -48,15 +48,23 @@ def print_device(args: argparse.Namespace, work: Workload, param_dtype: str) -> 
     """Per device: the params, the grads and the peak an update adds, by route."""
     device = device_memory(work)
     updates = "fp32 (the master's)" if args.master else param_dtype
-    print(f"per device: params sharded over {work.devices} device(s), in {param_dtype}; activations not counted")
-    _row("params", format_bytes(device.params))
-    _row("grads", format_bytes(device.grads))
-    _row("update adds, optax route", format_bytes(device.optax_route), f"updates in {updates}, and new params")
-    _row(
-        "update adds, fused apply",
-        format_bytes(device.fused_apply),
-        f"{work.write_depth + 2} records: the subgroup computing (in and out), {work.write_depth} being written",
-    )
+    in_flight = f"{work.write_depth + 2} records: the subgroup computing (in and out), {work.write_depth} being written"
+    if work.params_in_host:
+        print(
+            f"per device: params and grads in host memory, in {param_dtype}, streamed through the devices a layer at "
+            f"a time (a layer: --params / {work.layers}); activations not counted"
+        )
+        _row("params, streamed", format_bytes(device.params), "2 layers: the one computing, whole, and the next")
+        _row("grads, streamed", format_bytes(device.grads), "2 layers, on their way to host memory")
+        blocks = f"the grads and params of {work.write_depth + 2} subgroups in, their results out"
+        _row("update adds, optax route", format_bytes(device.optax_route), f"records in flight, and {blocks}")
+        _row("update adds, fused apply", format_bytes(device.fused_apply), f"{in_flight}, and {blocks}")
+    else:
+        print(f"per device: params sharded over {work.devices} device(s), in {param_dtype}; activations not counted")
+        _row("params", format_bytes(device.params))
+        _row("grads", format_bytes(device.grads))
+        _row("update adds, optax route", format_bytes(device.optax_route), f"updates in {updates}, and new params")
+        _row("update adds, fused apply", format_bytes(device.fused_apply), in_flight)
     for route, adds in (("optax route", device.optax_route), ("fused apply", device.fused_apply)):
         peak = device.params + device.grads + adds
         _row(f"peak, {route}", format_bytes(peak), _fits(peak, "--device-memory", args.device_memory))
@@ -85,6 +93,14 @@ def print_host(args: argparse.Namespace, work: Workload, cache: float) -> None:
         format_bytes(host.processes),
         f"ASSUMED {format_bytes(PROCESS_BYTES)} a process (Python, JAX)",
     )
+    if work.params_in_host:
+        _row("params", format_bytes(host.params), "the node's share, in pinned_host")
+        _row("grads", format_bytes(host.grads))
+        optax_total = host.total + host.optax_route
+        note = f"the updates and new params; total then {format_bytes(optax_total)}"
+        fits = _fits(optax_total, "--host-memory", args.host_memory)
+        _row("update adds, optax route", format_bytes(host.optax_route), f"{note}{'; ' + fits if fits else ''}")
+        _row("update adds, fused apply", format_bytes(0), "each block replaced where it lies")
     note = _fits(host.total, "--host-memory", args.host_memory)
     if args.host_memory is not None:
         room = parse_size(args.host_memory, name="--host-memory") - (host.total - host.cache)
@@ -125,22 +141,32 @@ def print_update(args: argparse.Namespace, work: Workload, full: Prediction, lin
     back = f'flush="{args.flush}": ' + ("between updates" if args.flush == "idle" else "only when evicted")
     _row("written back from the cache", format_bytes(full.idle_write_bytes), back)
     _row("I/O between updates", format_seconds(full.idle_io_seconds), "the write-back and the first reads ahead")
+    moved = "the state, grads and params in, state and updates out" if work.params_in_host else "the state in and out"
     _row(
         "link floor",
         format_seconds(link_seconds(work, link)),
-        f"the state to the device and back at {link / 1e9:.3g} GB/s a device, each way (ASSUMED)",
+        f"{moved} at {link / 1e9:.3g} GB/s a device, each way (ASSUMED)",
     )
     _row("update", format_seconds(full.seconds))
     print()
 
 
-def print_step(compute: Compute, full: Prediction, steps: tuple[float, float] | None) -> None:
-    """Per step: the forward and backward, whether the I/O between updates fits in it, the step split and overlapped."""
+def print_step(compute: Compute, full: Prediction, steps: tuple[float, float] | None, trips: float) -> None:
+    """Per step: the forward and backward, whether the I/O between updates fits in it, the params' trips, the step
+    split and overlapped (``steps``, None when the forward and backward are unknown).
+
+    ``trips`` is the seconds the params and grads take over the link in the forward and backward, when
+    they live in host memory (0 otherwise; no row then): the steps count them with the forward and backward.
+    """
     print("per step")
+    if trips:
+        note = "params in twice (forward, backward), grads out, a device's shard; ASSUMED not hidden by compute"
+        _row("params and grads over link", format_seconds(trips), note)
     if compute.seconds is None:
         _row("forward + backward", "?", compute.source)
         _row("I/O between updates", format_seconds(full.idle_io_seconds), "assumed to fit in the forward and backward")
-        _row("update", format_seconds(full.seconds), "step: this plus the forward and backward")
+        what = "this, the trips above" if trips else "this"
+        _row("update", format_seconds(full.seconds), f"step: {what} plus the forward and backward")
         print()
         return
     _row("forward + backward", format_seconds(compute.seconds), compute.source)

@@ -4,7 +4,8 @@
 and how its state streams); the functions here size what the performance model of one update
 (:mod:`~jax_mlp._src.schedule.performance`) leaves out: the bytes on each device
 (:func:`device_memory`), the host RAM of each node (:func:`host_memory`), the update's floor when no
-storage I/O is on its path (:func:`link_seconds`) and the forward and backward from FLOPs
+storage I/O is on its path (:func:`link_seconds`), the params' and grads' trips over the link when
+they live in host memory (:func:`params_link_seconds`) and the forward and backward from FLOPs
 (:func:`flops_seconds`).
 """
 
@@ -28,7 +29,9 @@ class Workload(NamedTuple):
     """A training run as ``jax-mlp plan`` sizes it: the model, how it is spread, and how its state streams.
 
     The params (and grads) are taken as sharded over every device (FSDP), and the offloaded state over
-    every process, as ``mlp_offload`` splits it.
+    every process, as ``mlp_offload`` splits it. With ``params_in_host`` the params and grads live in
+    host memory (``pinned_host``) and the step streams them through the devices a layer at a time
+    (``examples/host_params.py``).
 
     Attributes:
       params: parameters of the model.
@@ -41,6 +44,9 @@ class Workload(NamedTuple):
       subgroup_bytes: ``subgroup_size``: bytes of state (and master) streamed at once.
       prefetch_depth: ``prefetch_depth``: records read ahead of the one being updated.
       write_depth: ``write_depth``: records whose writes may trail behind.
+      params_in_host: the params and grads live in host memory, not on the devices.
+      layers: the model's layers, of ``params / layers`` each: with ``params_in_host``, what a device holds
+        of the params at a time.
     """
 
     params: float
@@ -53,6 +59,8 @@ class Workload(NamedTuple):
     subgroup_bytes: int
     prefetch_depth: int
     write_depth: int
+    params_in_host: bool = False
+    layers: int = 1
 
     @property
     def devices(self) -> int:
@@ -74,13 +82,23 @@ class Workload(NamedTuple):
         """Bytes of one record: a subgroup, or the whole state of a process that holds less."""
         return min(self.subgroup_bytes, self.state_bytes)
 
+    @property
+    def process_params(self) -> float:
+        """Params whose state one process offloads."""
+        return self.params / (self.nodes * self.processes_per_node)
+
+    @property
+    def subgroup_blocks(self) -> float:
+        """With params in host memory, a subgroup's blocks on the device: its grads and params in, updates out."""
+        return self.record_bytes / self.state_bytes_per_param * (2 * self.param_bytes + self.update_bytes)
+
 
 class DeviceMemory(NamedTuple):
     """Bytes on one device: what it holds through the step, and what an update adds on top, by route.
 
     Attributes:
-      params: the device's shard of the params.
-      grads: its shard of the gradients, in the params' dtype.
+      params: the device's shard of the params; with the params in host memory, the two layers streaming.
+      grads: its shard of the gradients, in the params' dtype; with the params in host memory, two layers'.
       optax_route: the peak ``update`` followed by ``optax.apply_updates`` adds.
       fused_apply: the peak the fused ``apply`` adds.
     """
@@ -103,12 +121,22 @@ def device_memory(work: Workload) -> DeviceMemory:
     docs/efficiency.md's measured setup (64 MiB of bf16 params, 8 MiB subgroups, an fp32 master) this
     gives 3.0× and 0.5× the params, against 2.83× (4.0× on the first step) and 0.5–0.58× measured.
 
+    With the params in host memory, a device holds two layers of params (the one computing, whole
+    once FSDP gathered it, and the next coming in) and two of grads (going out), and an update adds
+    to either route's records the blocks of the subgroups in flight (``write_depth + 2``: the one
+    computing, those being written, one on its way back), never a tree of updates.
+
     Args:
       work: the run.
 
     Returns:
       The bytes per device.
     """
+    if work.params_in_host:
+        layers = 2 * work.params / work.layers * work.param_bytes
+        blocks = (work.write_depth + 2) * work.subgroup_blocks
+        records = (work.prefetch_depth + work.write_depth + 1) * work.record_bytes
+        return DeviceMemory(layers, layers, records + blocks, (work.write_depth + 2) * work.record_bytes + blocks)
     params = work.params / work.devices * work.param_bytes
     streaming = (work.prefetch_depth + work.write_depth + 1) * work.record_bytes
     updates = work.params / work.devices * work.update_bytes
@@ -130,17 +158,24 @@ class HostMemory(NamedTuple):
       staging: the record buffer pool each process keeps for reuse (at most ``POOL_BYTES``); an upper
         bound, since the records in flight may be its buffers.
       processes: the processes' own runtime, :data:`PROCESS_BYTES` each: an assumption.
+      params: with the params in host memory, the node's share of them (else 0).
+      grads: likewise, of the grads.
+      optax_route: with the params in host memory, what ``update`` and ``optax.apply_updates`` add: the
+        updates, and the new params beside the old (the fused ``apply`` adds nothing); else 0.
     """
 
     cache: float
     in_flight: float
     staging: float
     processes: float
+    params: float = 0.0
+    grads: float = 0.0
+    optax_route: float = 0.0
 
     @property
     def total(self) -> float:
-        """All of it."""
-        return self.cache + self.in_flight + self.staging + self.processes
+        """All of it, with the fused ``apply`` (``optax_route`` left out)."""
+        return self.cache + self.in_flight + self.staging + self.processes + self.params + self.grads
 
 
 def host_memory(work: Workload, cache_bytes: float) -> HostMemory:
@@ -154,11 +189,15 @@ def host_memory(work: Workload, cache_bytes: float) -> HostMemory:
       The bytes per node.
     """
     per_node = work.processes_per_node
+    node_params = work.params / work.nodes if work.params_in_host else 0.0
     return HostMemory(
         cache=per_node * min(cache_bytes, work.state_bytes),
         in_flight=per_node * (work.prefetch_depth + work.write_depth + 1) * work.record_bytes,
         staging=per_node * min(POOL_BYTES, work.state_bytes),
         processes=per_node * PROCESS_BYTES,
+        params=node_params * work.param_bytes,
+        grads=node_params * work.param_bytes,
+        optax_route=node_params * (work.update_bytes + work.param_bytes),
     )
 
 
@@ -166,7 +205,8 @@ def link_seconds(work: Workload, link_bandwidth: float) -> float:
     """The update's floor with no storage I/O on its path: each process's state crossing its devices' links.
 
     Every update moves the whole state to the device and back; the two directions run at once, and a
-    process driving several devices uses all their links. The update's own arithmetic (a few bytes per
+    process driving several devices uses all their links. With the params in host memory the grads and
+    params go in as well, and the updates come back. The update's own arithmetic (a few bytes per
     param at the device's memory bandwidth) is far below this and left out.
 
     Args:
@@ -177,7 +217,30 @@ def link_seconds(work: Workload, link_bandwidth: float) -> float:
       Seconds.
     """
     links = max(1, work.devices_per_node // work.processes_per_node)
-    return work.state_bytes / (links * link_bandwidth)
+    params = work.process_params if work.params_in_host else 0.0
+    inward = work.state_bytes + params * 2 * work.param_bytes
+    outward = work.state_bytes + params * work.update_bytes
+    return max(inward, outward) / (links * link_bandwidth)
+
+
+def params_link_seconds(work: Workload, link_bandwidth: float) -> float:
+    """With the params in host memory, the forward's and backward's trips over each device's link.
+
+    The forward and the backward each bring the device's shard of the params in (FSDP gathers the
+    rest over the devices' own links), and the backward sends its shard of the grads out, the other
+    direction, meanwhile. Taken as added to the step: a scan that brings the next layer in while the
+    current one computes hides some of it.
+
+    Args:
+      work: the run.
+      link_bandwidth: host-device bytes/s of one device, each way.
+
+    Returns:
+      Seconds; 0 with the params in device memory.
+    """
+    if not work.params_in_host:
+        return 0.0
+    return 2 * work.params / work.devices * work.param_bytes / link_bandwidth
 
 
 def flops_seconds(params: float, tokens: float, devices: int, flops: float, mfu: float) -> float:

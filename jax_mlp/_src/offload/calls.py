@@ -91,12 +91,13 @@ class Calls:
         """Checks a call of ``verb`` (``"update"`` or ``"apply"``) and returns it as a :class:`Call`.
 
         Raises:
-          OffloadError: the handle is not this offloader's, a tree, shape or dtype differs from the
-            plan, or the extra arguments are not arrays; ``CoupledOptimizerError`` for extra arguments
-            that couple leaves.
+          OffloadError: the handle is not this offloader's, a tree, shape, dtype or memory kind differs
+            from the plan, or the extra arguments are not arrays; ``CoupledOptimizerError`` for extra
+            arguments that couple leaves.
         """
         self._check_handle(verb, state)
         grad_leaves, param_leaves = inputs.check_update_inputs(self.plan, grads, params)
+        inputs.check_memory_kinds(self.plan, self.sharding.kinds, grad_leaves, param_leaves)
         extra = self._checked_extra(extra_args)
         shared = jax.tree_util.tree_unflatten(
             self._shared_treedef, inputs.check_shared(self.stream.programs.shared_shapes, state.shared)

@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import Uniform, update_dtype
-from jax_mlp._src.plan.sharding import BlockKey, LeafSharding
-from jax_mlp._src.stream.blocks import Blocks
+from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey, LeafSharding, memory_kind
+from jax_mlp._src.stream.blocks import Blocks, Staging
 from jax_mlp._src.stream.state_stream import IN_CALLBACK, StateStream
 
 logger = logging.getLogger(__name__)
@@ -118,9 +118,23 @@ def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
       mesh.
 
     Raises:
-      OffloadError: the leaves are not on one mesh, or on a mesh of CPU devices that XLA's CPU runtime
-        could not serve while every device waits in its callback.
+      OffloadError: a leaf is in host memory, the leaves are not on one mesh, or they are on a mesh of
+        CPU devices that XLA's CPU runtime could not serve while every device waits in its callback.
     """
+    host = next(
+        (
+            (path, kind)
+            for path, leaf in zip(paths, leaves, strict=True)
+            if (kind := memory_kind(leaf)) != DEVICE_MEMORY
+        ),
+        None,
+    )
+    if host is not None:
+        raise OffloadError(
+            f"param {host[0]} is in {host[1]} memory; update inside jit hands each device's blocks to host callbacks "
+            "and cannot stream params kept in host memory: call tx.update (or tx.apply) eagerly, outside jit, after "
+            "the jitted loss and gradients"
+        )
     mesh, specs = _mesh_of(paths, leaves)
     devices = list(mesh.local_devices)  # with jax.distributed, this process's callbacks
     if devices[0].platform != "cpu":
@@ -370,7 +384,8 @@ class JitRoute:
             return {key: jax.device_put(values[offset + key[0]], host) for key, values in on_device.items()}
 
         params = put(n) if len(blocks_by_device[whole]) > n else None
-        return Blocks(put(0), params, [host] * len(plan.subgroups), uniform)
+        staging = Staging(plan, [DEVICE_MEMORY] * n)  # the callbacks' arrays, all put on the host CPU device
+        return Blocks(put(0), params, [host] * len(plan.subgroups), uniform, staging)
 
     def settle(self) -> None:
         """Waits for the jitted updates still queued on the devices, so none meets closed tiers.

@@ -2,7 +2,9 @@
 
 One validator serves ``update`` (grads and params) and the checkpoint helpers (``params_like``),
 so every mismatch is reported alike: which leaves are missing or unexpected, which leaf has the
-wrong shape or dtype, and what to pass instead.
+wrong shape or dtype, and what to pass instead. The memory kinds are checked too: params at
+``init`` in device memory or ``pinned_host``, and each call's grads and params where the params
+were at ``init``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.plan.partition import Plan, treedef_paths
+from jax_mlp._src.plan.sharding import HOST_MEMORY, MEMORY_KINDS, memory_kind
 
 
 def bare_treedef(treedef: Any) -> Any:
@@ -114,6 +117,66 @@ def check_update_inputs(plan: Plan, updates: Any, params: Any) -> tuple[list, li
     if params is None:
         return grads, None
     return grads, [jnp.asarray(x) for x in check_tree(plan, params, "params", check_dtype=True)]
+
+
+def check_param_memory(params: Any, accumulate_steps: int) -> None:
+    """Refuses, at ``init``, param leaves in a memory kind the offload does not stream, and accumulation in host memory.
+
+    ``unpinned_host`` is refused: a jitted step returns its outputs in device memory whatever it
+    asks for there, so grads cannot be kept in it, and donating its buffers aborts the process.
+
+    Raises:
+      OffloadError: naming the first such leaf, its memory kind, and where to put it instead.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        kind, name = memory_kind(leaf), jax.tree_util.keystr(path)
+        if kind not in MEMORY_KINDS:
+            raise OffloadError(
+                f"param leaf {name} is in {kind} memory, but mlp_offload streams params and grads kept in one of "
+                f"{', '.join(MEMORY_KINDS)}: keep them in host memory with jax.device_put(params, "
+                f"sharding.with_memory_kind({HOST_MEMORY!r})) (a jitted step returns {kind} outputs in device memory, "
+                "so its grads could not stay there), or in device memory"
+            )
+        if kind == HOST_MEMORY and accumulate_steps > 1:
+            raise OffloadError(
+                f"param leaf {name} is in {kind} memory, and mlp_offload has accumulate_steps={accumulate_steps}: "
+                "accumulation keeps its running mean beside params in device memory only. Accumulate the "
+                "micro-batches' gradients in your jitted step (e.g. a lax.scan over them) and create the mlp_offload "
+                "without accumulate_steps, or keep the params in device memory"
+            )
+
+
+def check_memory_kinds(plan: Plan, kinds: tuple[str, ...], grads: list, params: list | None) -> None:
+    """Refuses a call's grads and params in other memory kinds than each other, or than the params at ``init``.
+
+    Every leaf streams in the memory kind ``init`` saw, and its updates (or new params) come back in it.
+
+    Raises:
+      OffloadError: naming the leaf, its memory kinds, and how to put it where the params are.
+    """
+    for index, (spec, kind) in enumerate(zip(plan.leaves, kinds, strict=True)):
+        grad = memory_kind(grads[index])
+        param = grad if params is None else memory_kind(params[index])
+        if grad != param:
+            raise OffloadError(
+                f"grads leaf {spec.path} is in {grad} memory, but params leaf {spec.path} is in {param}: params and "
+                "grads must share one memory kind, the one the updates come back in. Have the jitted gradient step "
+                "write the grads where the params are (jax.jit(..., out_shardings=<the params' shardings>)), or move "
+                "them there with jax.device_put(grads, <the params' shardings>)"
+            )
+        if grad != kind:
+            which = "grads" if params is None else "params and grads"
+            scalar = (
+                " (jax computes on 0-d arrays in device memory, so optax.apply_updates moves a scalar param there: "
+                "use tx.apply, or jax.jit(optax.apply_updates, out_shardings=<the params' shardings>))"
+                if not spec.shape
+                else ""
+            )
+            raise OffloadError(
+                f"{which} leaf {spec.path} is in {grad} memory, but the params were in {kind} at init, and each leaf "
+                f"streams in the memory kind init saw: pass it in {kind} (jax.device_put(x, "
+                f"x.sharding.with_memory_kind({kind!r}))){scalar}, or start a new mlp_offload for params in {grad} memory"
+            )
 
 
 def check_distinct(plan: Plan, grads: list, params: list) -> None:

@@ -140,6 +140,7 @@ class Offloader(ClosesOnExit):
         inputs.check_float_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
         inputs.check_master_dtype(leaves, self.config.master_dtype)
+        inputs.check_param_memory(params, self.config.accumulate_steps)
         key = (jax.tree_util.tree_structure(params), tuple(planning.signature(x) for x in leaves))
         if self._last_plan is None or self._last_plan.key != key:
             self._last_plan = planning.plan_params(self.inner, self.config, params, key)
@@ -158,7 +159,10 @@ class Offloader(ClosesOnExit):
 
         def write_initial_state(live: Calls, leaves: list[Any]) -> None:
             leaves = [jnp.asarray(x) for x in leaves]
-            live.stream.write_initial_state(live.sharding.block_map(leaves), live.sharding.devices(live.plan, leaves))
+            sharding = live.sharding
+            live.stream.write_initial_state(
+                sharding.block_map(leaves), sharding.devices(live.plan, leaves), sharding.kinds
+            )
 
         return self._initialise(params, write_initial_state, "init")
 

@@ -2,6 +2,10 @@
 
 A leaf on one device is one block. A sharded leaf is the shards this process owns: a replica is
 stored and updated once, by its owner, and its update is copied to the other devices holding it.
+
+Each leaf also has a memory kind: the device's own memory, or the host memory ``pinned_host``
+(params larger than the devices, streamed in by the user's jitted step). Programs run on device
+memory only; :func:`in_memory` moves a block between the two.
 """
 
 from __future__ import annotations
@@ -18,24 +22,50 @@ from jax_mlp._src.plan.partition import Plan, Shard
 BlockKey = tuple[int, int | None]
 """An update block's key: (leaf index, owner device id), the owner None for a leaf on one device."""
 
+DEVICE_MEMORY = "device"
+"""The memory kind of a device's own memory: where every subgroup program's inputs and outputs are."""
+HOST_MEMORY = "pinned_host"
+"""The host memory kind params and grads may live in besides the device's: blocks visit the device for their programs."""
+MEMORY_KINDS = (DEVICE_MEMORY, HOST_MEMORY)
+"""The memory kinds params and grads may be in."""
+
+
+def memory_kind(x: Any) -> str:
+    """The memory kind of an array, a tracer or a ``jax.ShapeDtypeStruct``: device memory where it names none."""
+    if isinstance(x, jax.core.Tracer):
+        return HOST_MEMORY if jax.typeof(x).memory_space == jax.memory.Space.Host else DEVICE_MEMORY
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) or DEVICE_MEMORY
+
+
+def in_memory(x: jax.Array, kind: str) -> jax.Array:
+    """``x`` in memory ``kind`` of its devices: itself if it is there, else a copy (dispatched asynchronously).
+
+    The copy keeps the placement and changes the memory only, as the JAX guide "Memories and host
+    offloading" does; a ``jax.device_put`` to a bare ``Device`` would fail on the block's own device.
+    """
+    return x if memory_kind(x) == kind else jax.device_put(x, x.sharding.with_memory_kind(kind))
+
 
 class LeafSharding(NamedTuple):
-    """Each leaf's sharding and owned shards, as at ``init`` (both None for a leaf on one device).
+    """Each leaf's sharding, owned shards and memory kind, as at ``init`` (sharding and shards None for a leaf on one device).
 
     Attributes:
       shardings: per leaf, its ``jax.sharding.Sharding`` if it spans devices, else None.
       shards: per leaf, the shards this process owns (see :func:`partition.owned_shards`), or None.
+      kinds: per leaf, its memory kind (:data:`DEVICE_MEMORY` or :data:`HOST_MEMORY`): grads, params,
+        updates and new params are all in it.
     """
 
     shardings: tuple[jax.sharding.Sharding | None, ...]
     shards: tuple[tuple[Shard, ...] | None, ...]
+    kinds: tuple[str, ...]
 
     @classmethod
     def of(cls, leaves: Sequence[Any]) -> LeafSharding:
         """The placement of the params' leaves (arrays, or anything else for a leaf on the default device)."""
         shards = tuple(partition.owned_shards(x) for x in leaves)
         shardings = tuple(None if s is None else x.sharding for x, s in zip(leaves, shards, strict=True))
-        return cls(shardings, shards)
+        return cls(shardings, shards, tuple(memory_kind(x) for x in leaves))
 
     def owners(self, plan: Plan) -> list[dict[jax.Device, int] | None]:
         """Per leaf, the owner of the block each of its devices holds (:func:`partition.block_owners`), or None."""
@@ -78,8 +108,8 @@ class LeafSharding(NamedTuple):
     def assemble(self, plan: Plan, results: dict[BlockKey, jax.Array]) -> list[jax.Array]:
         """Each leaf's update: its one block, or its owned blocks assembled with the leaf's sharding.
 
-        Replicas get a device-to-device copy of their owner's block; no device ever holds more
-        than its own block.
+        Replicas get a device-to-device copy of their owner's block, in the block's memory kind; no
+        device ever holds more than its own block.
         """
         leaves = []
         for index, (spec, sharding, owners) in enumerate(
@@ -91,7 +121,8 @@ class LeafSharding(NamedTuple):
             arrays = []
             for device, owner in owners.items():
                 block = results[index, owner]
-                arrays.append(block if block.devices() == {device} else jax.device_put(block, device))
+                copy = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind(block))
+                arrays.append(block if block.devices() == {device} else jax.device_put(block, copy))
             leaves.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
         return leaves
 

@@ -41,7 +41,7 @@ from jax_mlp._src.storage.capacity import check_capacity
 from jax_mlp._src.storage.paths import release_paths
 from jax_mlp._src.storage.record import HEADER_SIZE
 from jax_mlp._src.storage.tier_stack import Locations, Pin, TierStack
-from jax_mlp._src.stream.blocks import Blocks, NewParams, UpdateBlocks
+from jax_mlp._src.stream.blocks import Blocks, NewParams, Staging, UpdateBlocks
 from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings
 from jax_mlp._src.stream.idle import IdleIO
 from jax_mlp._src.stream.transfer import choose
@@ -157,15 +157,23 @@ class StateStream:
 
     # ----------------------------------------------------------------------------- filling the tiers
 
-    def write_initial_state(self, params: Mapping[BlockKey, jax.Array], devices: Sequence[jax.Device | None]) -> None:
+    def write_initial_state(
+        self, params: Mapping[BlockKey, jax.Array], devices: Sequence[jax.Device | None], kinds: Sequence[str]
+    ) -> None:
         """Streams the initial state (and master params) of the param blocks ``params`` out, at step 0.
 
-        ``devices`` gives each subgroup's device, as in :class:`~jax_mlp._src.stream.blocks.Blocks`.
+        ``devices`` gives each subgroup's device, as in :class:`~jax_mlp._src.stream.blocks.Blocks`, and
+        ``kinds`` each leaf's memory kind: blocks in host memory visit the device (:class:`Staging`).
         """
+        staging = Staging(self.plan, kinds)
 
         def compute(index: int, _: None) -> tuple:
             subgroup = self.plan.subgroups[index]
-            return self.programs.init(subgroup, [params[p.leaf, p.device] for p in subgroup.pieces], devices[index])
+            keys = [(p.leaf, p.device) for p in subgroup.pieces]
+            blocks = [staging.to_device("params", key, params[key]) for key in keys]
+            computed = self.programs.init(subgroup, blocks, devices[index])
+            staging.done(subgroup)
+            return computed
 
         self._populate(0, lambda _: None, compute)
 
