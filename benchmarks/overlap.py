@@ -40,7 +40,7 @@ from common import parse_with_smoke, print_and_save
 
 import jax_mlp
 from jax_mlp._src.schedule.performance import measured_speed, predict_step
-from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.probe import probe, transfer_seconds
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 SMOKE = {"state": "8MiB", "width": 256, "runs": 1, "steps": 3, "factors": [1.0], "devices": "emulated"}
@@ -188,8 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
     with the_path(args) as path:
         measured = probe(path, total_bytes=min(64 * 2**20, state_bytes), record_bytes=4 * 2**20)
         speed = measured_speed(measured)
-        disk = speed.seconds(state_bytes - cache, state_bytes)
-        result.update(probe=measured._asdict(), disk_s=disk)
+        # D, measured: the bytes of a step (read S - C, write S) moved at once through the path, as records
+        disk = transfer_seconds(path, read_bytes=state_bytes - cache, write_bytes=state_bytes, record_bytes=4 * 2**20)
+        result.update(
+            probe=measured._asdict(), disk_s=disk, disk_s_from_probe=speed.seconds(state_bytes - cache, state_bytes)
+        )
         for factor in args.factors:
             rows = rows_for(params, factor * disk)
             runs = []

@@ -134,7 +134,7 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     assert figure(out, "I/O between updates") == plan_tables.format_seconds(idle)
     update = busy + MiB / 5e8 + (idle - 0.01)  # + draining the last write + the idle I/O past the 10 ms
     assert figure(out, "update") == plan_tables.format_seconds(update)
-    assert figure(out, "step") == plan_tables.format_seconds(0.01 + update)
+    assert figure(out, "step, split") == plan_tables.format_seconds(0.01 + update)
 
 
 def test_a_bf16_master_is_planned_whole_unless_stored_as_its_remainder(capsys):
@@ -195,7 +195,8 @@ def test_rates_are_read_first_in_probe_and_in_plan(tmp_path, capsys):
     read, write = (float(figure) * 1e6 for figure in lines[1].split()[1:5:2])
     (pasted,) = lines[-1].removeprefix("for jax-mlp plan elsewhere: --paths ").split(",")
     speed = speeds.declared_speed(pasted)
-    assert speed == PathSpeed(str(tmp_path), read, write)
+    duplex = lines[1].split()[5] == "duplex"  # what "both at once" says; the pasted entry carries it
+    assert speed == PathSpeed(str(tmp_path), read, write, 0.0 if duplex else 1.0)
 
 
 @pytest.mark.parametrize(

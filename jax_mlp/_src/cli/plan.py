@@ -93,7 +93,8 @@ def handle(args: argparse.Namespace) -> int:
     cache = parse_size(args.host_cache, name="--host-cache") / work.processes_per_node
     compute = _compute(args, work)
     link = rate(args.link, "--link")
-    idle = math.inf if compute.seconds is None else compute.seconds
+    trips = params_link_seconds(work, link)  # the params' and grads' trips over the link, with params on the host
+    idle = math.inf if compute.seconds is None else compute.seconds + trips  # the disks idle through both
     common = dict(
         num_records=work.num_records,
         record_bytes=work.record_bytes,
@@ -105,14 +106,10 @@ def handle(args: argparse.Namespace) -> int:
         write_back=args.flush == "idle",
     )
     full = predict_variant(ABLATION[-1], speeds, idle_seconds=idle, **common)
-    trips = params_link_seconds(work, link)  # the params' and grads' trips over the link, with params on the host
     steps = None
     if compute.seconds is not None:
-        forward_backward = compute.seconds + trips
         steps = tuple(
-            predict_variant_step(
-                ABLATION[-1], speeds, forward_backward_seconds=forward_backward, overlapped=o, **common
-            )
+            predict_variant_step(ABLATION[-1], speeds, forward_backward_seconds=idle, overlapped=o, **common)
             for o in (False, True)
         )
     print(

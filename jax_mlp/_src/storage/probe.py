@@ -9,9 +9,10 @@ reads come from the device. The scratch directory is removed afterwards.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +72,14 @@ def _timed(calls: list, inflight: int) -> float:
     return time.perf_counter() - start
 
 
+def _records(record_bytes: int) -> np.ndarray:
+    """A sealed record of ``record_bytes`` of random payload, like training's."""
+    record = new_record(record_bytes)
+    record[64:] = np.random.default_rng(0).integers(0, 256, record_bytes, dtype=np.uint8)
+    seal(record, 0, bytes(16))
+    return record
+
+
 def probe(
     path: Path, *, total_bytes: int = 256 * 1024**2, record_bytes: int = 16 * 1024**2, inflight: int = 4
 ) -> ProbeResult:
@@ -90,23 +99,47 @@ def probe(
     """
     store = open_path(_scratch(path), max_inflight=inflight)
     count = max(1, total_bytes // record_bytes)
-    record = new_record(record_bytes)
-    record[64:] = np.random.default_rng(0).integers(0, 256, record_bytes, dtype=np.uint8)
-    seal(record, 0, bytes(16))
-    local = not isinstance(path.location, dict)
+    record = _records(record_bytes)
     try:
         written = _timed([lambda k=k: store.write(k, 0, record) for k in range(count)], inflight)
-        if local:
-            drop_page_cache(store.directory)
+        _drop(path, store)
         read = _timed([lambda k=k: store.read(k, 0) for k in range(count)], inflight)
-        if local:
-            drop_page_cache(store.directory)
-        both = [lambda k=k: store.read(k, 0) for k in range(count)] + [
-            lambda k=k: store.write(k, 1, record) for k in range(count)
-        ]
-        together = _timed(both, 2 * inflight)  # each direction with its own ``inflight``
+        together = _both_at_once(path, store, count, count, record, inflight)
     finally:
         store.remove()
     nbytes = count * record.nbytes
     serial = (together - max(read, written)) / min(read, written)
     return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes, min(1.0, max(0.0, serial)))
+
+
+def transfer_seconds(
+    path: Path, *, read_bytes: int, write_bytes: int, record_bytes: int = 16 * 1024**2, inflight: int = 4
+) -> float:
+    """Seconds a path takes to read ``read_bytes`` and write ``write_bytes`` at once, in records like training's.
+
+    The records to read are written first and dropped from the page cache; only the two directions
+    together are timed, each with ``inflight`` records in flight (what an update moves: its reads and writes).
+    """
+    store = open_path(_scratch(path), max_inflight=2 * inflight)
+    record = _records(record_bytes)
+    reads = max(1, read_bytes // record_bytes)
+    try:
+        _timed([lambda k=k: store.write(k, 0, record) for k in range(reads)], inflight)
+        return _both_at_once(path, store, reads, max(1, write_bytes // record_bytes), record, inflight)
+    finally:
+        store.remove()
+
+
+def _drop(path: Path, store: Any) -> None:
+    """Drops a local path's records from the page cache, so the next reads come from the device."""
+    if not isinstance(path.location, dict):
+        drop_page_cache(store.directory)
+
+
+def _both_at_once(path: Path, store: Any, reads: int, writes: int, record: np.ndarray, inflight: int) -> float:
+    """Seconds to read records ``0..reads`` of slot 0 while writing ``writes`` records to slot 1."""
+    _drop(path, store)
+    read = [lambda k=k: store.read(k, 0) for k in range(reads)]
+    write = [lambda k=k: store.write(k, 1, record) for k in range(writes)]
+    both = [call for pair in itertools.zip_longest(read, write) for call in pair if call is not None]
+    return _timed(both, 2 * inflight)  # interleaved: each direction keeps about ``inflight`` in flight
