@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import decay_mask, grads_at, make_params
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import assert_close_to_optax, assert_same_bits, decay_mask, grads_at, make_params
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import grads_at, make_params
 from faults import inject_write_faults
-from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits
+from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, grads_at, make_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

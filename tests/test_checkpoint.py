@@ -15,8 +15,17 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, decay_mask, grads_at, make_params, train
-from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, max_relative_deviation
+from helpers import (
+    EXACT_BOUND,
+    abstract,
+    assert_close_to_optax,
+    assert_same_bits,
+    decay_mask,
+    grads_at,
+    make_params,
+    max_relative_deviation,
+    train,
+)
 
 import jax_mlp
 from jax_mlp._src.plan import remainders
@@ -45,7 +54,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from conftest import abstract, grads_at, make_params, train
+    from helpers import abstract, grads_at, make_params, train
     from test_checkpoint import INNER, restore
 
     root = sys.argv[2]

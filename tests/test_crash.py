@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_params, train
-from helpers import assert_same_bits
+from helpers import assert_same_bits, make_params, train
 
 import jax_mlp
 from jax_mlp._src.storage.paths import open_path
@@ -50,7 +49,7 @@ CHILD = textwrap.dedent(
     from jax_mlp._src.stream.engine import Engine
     from jax_mlp._src.storage.paths import PathStore
     from jax_mlp._src.storage.tier_stack import TierStack
-    from conftest import make_params, train
+    from helpers import make_params, train
     from test_crash import KILLED_AT, OPTIONS, STEPS, INNER
 
     root, point = sys.argv[2], sys.argv[3]
@@ -194,7 +193,7 @@ RECIPE = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from conftest import grads_at, make_params
+    from helpers import grads_at, make_params
     from test_crash import RECIPE_STEPS, SAVE_EVERY
 
     root = sys.argv[2]

@@ -7,14 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import OPTIMIZERS, grads_at, make_params, run_offload, run_optax
 from helpers import (
     EXACT_BOUND,
     LOW_PRECISION_STATE_BOUND,
+    OPTIMIZERS,
     assert_bf16_within_ulp,
     assert_close_to_optax,
     assert_same_bits,
+    grads_at,
+    make_params,
     max_relative_deviation,
+    run_offload,
+    run_optax,
 )
 
 import jax_mlp

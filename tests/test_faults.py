@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, make_params, tmpfs, train
 from faults import inject_write_faults
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import abstract, assert_close_to_optax, assert_same_bits, make_params, tmpfs, train
 
 import jax_mlp
 from jax_mlp._src.storage import capacity

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import grads_at, make_params, run_offload
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import assert_close_to_optax, assert_same_bits, grads_at, make_params, run_offload
 
 import jax_mlp
 from jax_mlp._src.config import total_memory

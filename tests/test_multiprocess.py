@@ -17,8 +17,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from conftest import grads_at, make_params, train
-from helpers import EXACT_BOUND, assert_close_to_optax
+from helpers import EXACT_BOUND, assert_close_to_optax, grads_at, make_params, train
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,7 +35,7 @@ CHILD = textwrap.dedent(
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]), heartbeat_timeout_seconds=30)
     import optax, orbax.checkpoint as ocp, jax_mlp
     from jax.sharding import Mesh, NamedSharding
-    from conftest import grads_at, make_params
+    from helpers import grads_at, make_params
     from test_multiprocess import spec_of
 
     # The first 4 devices of each process; in "jit" mode each has a fifth, for the in-jit update.

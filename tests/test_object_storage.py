@@ -22,8 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
-from conftest import abstract, make_params, run_offload, run_optax, train
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import abstract, assert_close_to_optax, assert_same_bits, make_params, run_offload, run_optax, train
 from object_stores import S3_KEYS, FakeGcs, MotoS3
 
 import jax_mlp

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import scale_by_global_norm
-from helpers import assert_close_to_optax
+from helpers import assert_close_to_optax, scale_by_global_norm
 
 import jax_mlp
 from jax_mlp._src.plan import partition
@@ -170,7 +169,7 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
 def test_a_planted_global_norm_transformation_is_refused_by_name_before_anything_is_written(tmp_path):
     params, _ = _problem()
     tx = jax_mlp.mlp_offload(optax.chain(optax.adam(1e-2), scale_by_global_norm()), paths=tmp_path)
-    with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*conftest\.py"):
+    with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*helpers\.py"):
         tx.init(params)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import abstract, make_params, train
-from helpers import as_bits
+from helpers import abstract, as_bits, make_params, train
 
 import jax_mlp
 from jax_mlp._src.storage import ownership
@@ -96,8 +95,7 @@ HOLDER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, sys.argv[1])
     import numpy as np
-    from conftest import make_params, train
-    from helpers import as_bits
+    from helpers import as_bits, make_params, train
     from test_ownership import HELD_STEPS, offload
 
     root = sys.argv[2]

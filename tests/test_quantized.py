@@ -9,8 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import grads_at, make_params, run_offload, run_optax
-from helpers import LOW_PRECISION_STATE_BOUND, assert_close_to_optax, assert_same_bits, load_module
+from helpers import (
+    LOW_PRECISION_STATE_BOUND,
+    assert_close_to_optax,
+    assert_same_bits,
+    grads_at,
+    load_module,
+    make_params,
+    run_offload,
+    run_optax,
+)
 
 import jax_mlp
 from jax_mlp._src import quantized
@@ -258,7 +266,7 @@ def test_int8_adam_trains_a_small_language_model_as_well_as_fp32():
 def test_a_checkpoint_of_int8_state_restores_into_another_plan_and_into_memory(tmp_path):
     """The packed codes of a split leaf are row ranges, so the standard layout holds them like any moment."""
     import orbax.checkpoint as ocp
-    from conftest import abstract, train
+    from helpers import abstract, train
 
     inner = CODECS["int8"]()
     params = make_params()
@@ -300,7 +308,7 @@ def test_tiers_and_checkpoints_of_the_old_int8_format_are_refused_with_a_clear_e
     import json
 
     import orbax.checkpoint as ocp
-    from conftest import abstract, train
+    from helpers import abstract, train
 
     inner, params = CODECS["int8"](), make_params()
     run_offload(inner, params, 2, [tmp_path / "run"], subgroup_size=SUBGROUP)

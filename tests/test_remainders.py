@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import decay_mask, grads_at, make_params
-from helpers import assert_bf16_within_ulp, assert_same_bits, load_module
+from helpers import assert_bf16_within_ulp, assert_same_bits, decay_mask, grads_at, load_module, make_params
 
 import jax_mlp
 from jax_mlp._src.plan import remainders

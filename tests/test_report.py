@@ -9,7 +9,7 @@ import sys
 
 import optax
 import pytest
-from conftest import grads_at, make_params
+from helpers import grads_at, make_params
 
 import jax_mlp
 from jax_mlp import report

@@ -12,8 +12,7 @@ import time
 
 import optax
 import pytest
-from conftest import grads_at, make_params, run_offload, tmpfs
-from helpers import assert_same_bits
+from helpers import assert_same_bits, grads_at, make_params, run_offload, tmpfs
 
 import jax_mlp
 from jax_mlp._src.plan import partition

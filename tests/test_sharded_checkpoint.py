@@ -19,8 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from conftest import abstract, decay_mask, make_params, train
-from helpers import assert_bf16_within_ulp, assert_close_to_optax, assert_same_bits
+from helpers import (
+    abstract,
+    assert_bf16_within_ulp,
+    assert_close_to_optax,
+    assert_same_bits,
+    decay_mask,
+    make_params,
+    train,
+)
 from jax.sharding import NamedSharding
 from test_sharding import mesh_2x4, spec_for
 
@@ -53,7 +60,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, jax.numpy as jnp, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from conftest import grads_at, make_params, train
+    from helpers import grads_at, make_params, train
     from test_sharded_checkpoint import MESHES, inner, like_on
 
     root = sys.argv[2]

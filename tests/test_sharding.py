@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import OPTIMIZERS, grads_at, make_params
-from helpers import assert_close_to_optax
+from helpers import OPTIMIZERS, assert_close_to_optax, grads_at, make_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

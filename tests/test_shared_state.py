@@ -7,8 +7,15 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, grads_at, make_params
-from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, max_relative_deviation
+from helpers import (
+    EXACT_BOUND,
+    abstract,
+    assert_close_to_optax,
+    assert_same_bits,
+    grads_at,
+    make_params,
+    max_relative_deviation,
+)
 
 import jax_mlp
 

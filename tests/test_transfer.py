@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import grads_at, make_params
-from helpers import as_bits, assert_same_bits
+from helpers import as_bits, assert_same_bits, grads_at, make_params
 
 import jax_mlp
 from jax_mlp import OffloadError
