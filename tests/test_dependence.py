@@ -1,4 +1,6 @@
-"""The optimizer check reads leaf and row coupling from jaxprs; the plan keeps row-coupled leaves whole."""
+"""``plan/optimizer_check.py`` and ``plan/dependencies.py``: the optimizer check reads leaf and row coupling from
+jaxprs; the plan keeps row-coupled leaves whole.
+"""
 
 from __future__ import annotations
 

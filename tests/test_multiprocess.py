@@ -219,13 +219,14 @@ def test_two_processes_save_a_sharded_checkpoint_that_restores_in_two_processes_
         make_params(),
     )
     inner = optax.adamw(1e-2, weight_decay=0.1)
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "one"], subgroup_size="12KiB")
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        restored = manager.restore(
-            4,
-            args=ocp.args.Composite(params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)),
-        )
-    assert any(p.shard is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
-    params, _ = train(tx, restored["params"], restored["opt_state"], range(4, 10))
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "one"], subgroup_size="12KiB") as tx:
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            restored = manager.restore(
+                4,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)
+                ),
+            )
+        assert any(p.shard is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
+        params, _ = train(tx, restored["params"], restored["opt_state"], range(4, 10))
     assert_close_to_optax(jax.tree.leaves(params), single_process_optax(None))

@@ -168,8 +168,10 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
 
 def test_a_planted_global_norm_transformation_is_refused_by_name_before_anything_is_written(tmp_path):
     params, _ = _problem()
-    tx = jax_mlp.mlp_offload(optax.chain(optax.adam(1e-2), scale_by_global_norm()), paths=tmp_path)
-    with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*helpers\.py"):
+    with (
+        jax_mlp.mlp_offload(optax.chain(optax.adam(1e-2), scale_by_global_norm()), paths=tmp_path) as tx,
+        pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*helpers\.py"),
+    ):
         tx.init(params)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
