@@ -31,7 +31,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
+import optax
 import pytest
+from helpers import SMALL_SUBGROUP, SMALL_TREE
+
+import jax_mlp
+from jax_mlp._src.plan import partition
+from jax_mlp._src.storage.cache import HostCache
+from jax_mlp._src.storage.paths import open_paths, release_paths
+from jax_mlp._src.storage.record import record_codec
+from jax_mlp._src.storage.tier_stack import TierStack
 
 jax.config.update("jax_enable_x64", False)
 
@@ -40,3 +49,22 @@ jax.config.update("jax_enable_x64", False)
 def paths(tmp_path):
     """Three fresh, distinct directories to use as storage paths."""
     return [tmp_path / "nvme", tmp_path / "pfs", tmp_path / "third"]
+
+
+@pytest.fixture
+def make_tiers(tmp_path):
+    """Makes real tier stacks: ``make_tiers(host_cache)`` is a ``TierStack`` over two fresh directories (held, as
+    ``init`` holds them) and the plan of its records: adam on ``helpers.SMALL_TREE``, four subgroups of one leaf
+    each. Every path is let go of after the test."""
+    opened = []
+
+    def make(host_cache: int, directories=("p0", "p1")):
+        plan = partition.make_plan(SMALL_TREE, optax.adam(1e-3), SMALL_SUBGROUP)
+        stores = open_paths([jax_mlp.Path(tmp_path / name) for name in directories])
+        opened.append(stores)
+        codec = record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash)
+        return TierStack(HostCache(host_cache), stores, plan.layout_hash, codec), plan
+
+    yield make
+    for stores in opened:
+        release_paths(stores)

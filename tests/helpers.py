@@ -49,6 +49,17 @@ SHAPES = {
 }
 
 
+SMALL_TREE = {name: jax.ShapeDtypeStruct((8, 8), jnp.float32) for name in "abcd"}
+"""Four leaves whose adam states make four records of one leaf each at ``SMALL_SUBGROUP``."""
+SMALL_SUBGROUP = 512
+
+
+def fields_of(layout, value: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Fields of a record of ``layout`` (its state leaves, then its master leaves), every element ``value``."""
+    state = [np.full(f.shape, value, f.dtype) for f in layout.state_fields]
+    return state, [np.full(f.shape, value, f.dtype) for f in layout.master_fields]
+
+
 def make_params(shapes=SHAPES, seed: int = 0, dtype=jnp.float32):
     """A nested tree of normal-distributed leaves with the given shapes."""
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
