@@ -11,6 +11,7 @@ import os
 import pathlib
 import tempfile
 import typing
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -207,4 +208,4 @@ def test_a_host_cache_larger_than_the_memory_is_refused_when_the_offload_is_made
     with pytest.raises(jax_mlp.OffloadError, match=r"host_cache=.* is larger than this machine's memory") as refused:
         jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], host_cache=2 * memory)
     assert jax_mlp.format_bytes(memory) in str(refused.value)
-    assert not list(pathlib.Path(paths[0]).rglob("run.json"))
+    assert not list(Path(paths[0]).rglob("run.json"))

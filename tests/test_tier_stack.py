@@ -23,7 +23,12 @@ WAIT = 30.0
 """Seconds a test waits for another thread before it gives up: a bound on a hang, never a measure."""
 
 
-def record_bytes(plan, index=0) -> int:
+def record_bytes(tx) -> int:
+    return sum(HEADER_SIZE + sg.layout.nbytes for sg in tx.offloader.plan.subgroups)
+
+
+def record_size(plan, index=0) -> int:
+    """The size of subgroup ``index``'s record, header included."""
     return HEADER_SIZE + plan.subgroups[index].layout.nbytes
 
 
@@ -31,22 +36,20 @@ def test_without_cache_each_record_is_read_and_written_once_per_update(paths):
     params = make_params()
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=paths[:2], subgroup_size=SUBGROUP, host_cache=0) as tx:
         state = tx.init(params)
-        plan = tx.offloader.plan
-        all_records = sum(record_bytes(plan, sg.index) for sg in plan.subgroups)
-        assert sum(tx.stats.bytes_written.values()) == all_records
+        assert sum(tx.stats.bytes_written.values()) == record_bytes(tx)
         for step in range(2):
             _, state = tx.update(grads_at(params, step), state, params)
             stats = tx.stats
             assert stats.cache_hits == 0
-            assert stats.cache_misses == len(plan.subgroups)
-            assert sum(stats.bytes_read.values()) == all_records
-            assert sum(stats.bytes_written.values()) == all_records
+            assert stats.cache_misses == len(tx.offloader.plan.subgroups)
+            assert sum(stats.bytes_read.values()) == record_bytes(tx)
+            assert sum(stats.bytes_written.values()) == record_bytes(tx)
             assert all(v > 0 for v in stats.bytes_read.values()), "both paths are used"
 
 
 def test_a_store_the_cache_holds_writes_nothing_until_its_dirty_record_is_evicted(make_tiers):
     tiers, plan = make_tiers(host_cache=2 * 640)
-    size, placement = record_bytes(plan), (0, 1, 0, 1)
+    size, placement = record_size(plan), (0, 1, 0, 1)
     assert size == 640, "four records of 640 bytes: the cache holds two"
     fields = {k: fields_of(plan.subgroups[k].layout, k + 0.5) for k in range(4)}
     assert tiers.store(0, fields[0], size, 1, placement) == []
@@ -64,7 +67,7 @@ def test_a_store_the_cache_holds_writes_nothing_until_its_dirty_record_is_evicte
 
 def test_a_record_larger_than_the_cache_is_written_at_once_and_a_clean_eviction_writes_nothing(make_tiers):
     tiers, plan = make_tiers(host_cache=640)
-    size = record_bytes(plan)
+    size = record_size(plan)
     (written,) = tiers.store(3, fields_of(plan.subgroups[3].layout, 3.0), size + 1, 1, (1, 1, 1, 1))
     assert (written.path, written.subgroup) == (1, 3)
     assert tiers.store(0, fields_of(plan.subgroups[0].layout, 1.0), size, 1, (0, 0, 0, 0)) == []
@@ -108,7 +111,7 @@ def test_locations_follow_writes_and_restore_takes_back_a_snapshot(make_tiers):
 
 def test_a_moved_record_is_dropped_only_once_no_cached_record_is_dirty(make_tiers):
     tiers, plan = make_tiers(host_cache=10 * 640)
-    layout_hash, size = plan.layout_hash, record_bytes(plan)
+    layout_hash, size = plan.layout_hash, record_size(plan)
     tiers.write(0, fields_of(plan.subgroups[0].layout, 1.0), 1, 0)
     tiers.write(0, fields_of(plan.subgroups[0].layout, 2.0), 2, 1)
     tiers.store(1, fields_of(plan.subgroups[1].layout, 2.0), size, 2, (1, 1, 1, 1))  # dirty in the cache
@@ -172,8 +175,8 @@ def test_a_cached_record_of_the_pinned_step_is_read_from_the_cache(make_tiers):
     tiers, plan = make_tiers(host_cache=10 * 640)
     layout = plan.subgroups[2].layout
     fields = fields_of(layout, 5.0)
-    tiers.write_back(2, CacheEntry(fields, record_bytes(plan), 5, dirty=True), 0)  # on path 0, and not cached
-    tiers.cache.put(2, CacheEntry(fields, record_bytes(plan), 5, dirty=False))
+    tiers.write_back(2, CacheEntry(fields, record_size(plan), 5, dirty=True), 0)  # on path 0, and not cached
+    tiers.cache.put(2, CacheEntry(fields, record_size(plan), 5, dirty=False))
     pin = tiers.pin(5, timeout=WAIT)
     assert pin.keeps(2, 0) and not pin.released
     assert tiers.read_pinned(pin, 2) is fields, "the cached fields themselves, not a read of the record"
