@@ -195,13 +195,13 @@ def test_a_hung_read_or_store_times_out_with_io_timeout_and_says_so(make_engine,
             if where == "storing" and key == 1:
                 hung.wait(WAIT)
 
-        engine = make_engine(io_timeout=0.5)
+        engine = make_engine(io_timeout=1.0)
         with pytest.raises(OffloadError) as raised:
             engine.pipeline(range(4), fetch, lambda key, value: value, store, describe="record {} on /nvme".format)
     finally:
         hung.set()
     assert str(raised.value) == (
-        f"{where} record 1 on /nvme did not finish within io_timeout=0.5s; the storage path may be hung: "
+        f"{where} record 1 on /nvme did not finish within io_timeout=1s; the storage path may be hung: "
         "check its device or mount, or raise io_timeout for a slow path"
     )
 

@@ -44,7 +44,10 @@ def make_idle(make_tiers, tmp_path):
 
         def fetch(index, step):
             fetched = tiers.fetch(index, step)
-            counters.hit() if fetched.read is None else counters.count(fetched.read)
+            if fetched.read is None:
+                counters.hit()
+            else:
+                counters.count(fetched.read)
             return fetched.fields
 
         return IdleIO(config, scheduler, tiers, engines[-1], counters, fetch), plan
