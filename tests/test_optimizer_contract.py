@@ -150,10 +150,9 @@ ROW_COUPLED = {
 def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_path):
     params, loss = _problem()
     options = {"host_cache": 0, "subgroup_size": WHOLE_LEAF_SIZE}
-    tx = jax_mlp.mlp_offload(ROW_COUPLED[name](), paths=tmp_path, **options)
-    with pytest.warns(UserWarning, match=r"param \['big'\] is kept whole in subgroup \d+"):
-        state = tx.init(params)
-    with tx:
+    with jax_mlp.mlp_offload(ROW_COUPLED[name](), paths=tmp_path, **options) as tx:
+        with pytest.warns(UserWarning, match=r"param \['big'\] is kept whole in subgroup \d+"):
+            state = tx.init(params)
         plan = tx.offloader.plan
         big = next(i for i, leaf in enumerate(plan.leaves) if leaf.path == "['big']")
         (subgroup,) = [sg for sg in plan.subgroups if any(p.leaf == big for p in sg.pieces)]
