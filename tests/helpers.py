@@ -1,21 +1,28 @@
-"""The exactness contract in one place: its bounds, the assertions that check them, and a script loader.
+"""The test suite's plain helpers, in one place: the test tree, the training loops, the exactness contract.
 
-The contract (docs/architecture.md, "Exactness contract"): offloaded training does the same math as
-the optax optimizer held in memory. Every leaf is within ``EXACT_BOUND * max|p|`` of the reference
-(``LOW_PRECISION_STATE_BOUND`` with bf16 or compressed optimizer state); bf16 params with fp32 masters
-are at most ``BF16_MAX_ULPS`` apart on at most ``BF16_MAX_DIFFERING`` of the elements; bits are
-compared as unsigned integers, so that NaNs and signed zeros compare exactly. An optimizer's result is
-compared by its displacement ``p - p0`` as well as by ``p``: a small step hides under a bound on |p|.
+- The mixed test tree (``make_params``), its deterministic gradients (``grads_at``), the optimizers
+  the exactness tests run (``OPTIMIZERS``), and the training loops: ``train`` (plain optax or
+  ``mlp_offload``, one shared loop), ``run_optax`` and ``run_offload``.
+- The exactness contract (docs/architecture.md, "Exactness contract"): offloaded training does the
+  same math as the optax optimizer held in memory. Every leaf is within ``EXACT_BOUND * max|p|`` of the
+  reference (``LOW_PRECISION_STATE_BOUND`` with bf16 or compressed optimizer state); bf16 params with
+  fp32 masters are at most ``BF16_MAX_ULPS`` apart on at most ``BF16_MAX_DIFFERING`` of the elements;
+  bits are compared as unsigned integers, so that NaNs and signed zeros compare exactly. An
+  optimizer's result is compared by its displacement ``p - p0`` as well as by ``p``: a small step
+  hides under a bound on |p|.
+- A loader of scripts (examples, benchmarks), a real tmpfs, and a planted cross-leaf transformation.
 
-The tests import this module by name (``from helpers import ...``): pytest puts ``tests/`` on
-``sys.path`` for its test modules, in xdist workers too, and the child processes that the tests start
-insert it themselves.
+``conftest.py`` holds only the environment setup, fixtures and hooks. The tests import this module by
+name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.path`` for its test modules, in
+xdist workers too, and the child processes that the tests start insert it themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import pathlib
+import subprocess
 import sys
 from types import ModuleType
 from typing import Any
@@ -23,6 +30,163 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
+
+import jax_mlp
+
+# ----------------------------------------------------------------------------- the test tree and its training
+
+SHAPES = {
+    "embed": (40, 16),
+    "blocks": [
+        {"w1": (16, 32), "b1": (32,), "w2": (32, 16), "b2": (16,), "norm": {"scale": (16,), "bias": (16,)}}
+        for _ in range(3)
+    ],
+    "head": {"w": (16, 10), "b": (10,)},
+    "temperature": (),
+    "big": (256, 160),
+}
+
+
+SMALL_TREE = {name: jax.ShapeDtypeStruct((8, 8), jnp.float32) for name in "abcd"}
+"""Four leaves whose adam states make four records of one leaf each at ``SMALL_SUBGROUP``."""
+SMALL_SUBGROUP = 512
+
+
+def fields_of(layout, value: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Fields of a record of ``layout`` (its state leaves, then its master leaves), every element ``value``."""
+    state = [np.full(f.shape, value, f.dtype) for f in layout.state_fields]
+    return state, [np.full(f.shape, value, f.dtype) for f in layout.master_fields]
+
+
+def make_params(shapes=SHAPES, seed: int = 0, dtype=jnp.float32):
+    """A nested tree of normal-distributed leaves with the given shapes."""
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    values = [(0.5 * jax.random.normal(k, s)).astype(dtype) for k, s in zip(keys, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, values)
+
+
+def grads_at(params, step: int, dtype=None):
+    """Deterministic gradients that depend on the params and the step."""
+    return jax.tree.map(
+        lambda p: (jnp.sin(p.astype(jnp.float32) * (step + 1.3)) + 0.1 * step).astype(dtype or p.dtype), params
+    )
+
+
+def decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+OPTIMIZERS = {
+    "adamw_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask),
+    "adam": lambda: optax.adam(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "adam_schedule_chain": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_learning_rate(optax.linear_schedule(1e-2, 1e-3, 10))
+    ),
+}
+
+
+def run_optax(inner, params, steps: int, *, jit: bool):
+    """Plain in-memory optax: the reference."""
+    update = jax.jit(inner.update) if jit else inner.update
+    state = inner.init(params)
+    for step in range(steps):
+        updates, state = update(grads_at(params, step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def train(optimizer, params, state, steps, *, update=None, apply=False, history=None):
+    """Applies ``optimizer``'s updates (plain optax or mlp_offload) for the gradients of ``steps``.
+
+    Each step's gradients are ``grads_at(params, step)`` of the params it starts from.
+
+    Args:
+      optimizer: plain optax, or an ``mlp_offload``.
+      params: the params to start from.
+      state: the optimizer's state at the first of ``steps``.
+      steps: the steps to train, in order.
+      update: called instead of ``optimizer.update`` (a jitted one, say).
+      apply: take the fused ``optimizer.apply`` (an ``mlp_offload``'s) instead of update plus
+        ``optax.apply_updates``.
+      history: a list to append each step's updates to.
+
+    Returns:
+      The params and the state after the last step.
+    """
+    update = update or optimizer.update
+    for step in steps:
+        grads = grads_at(params, step)
+        if apply:
+            params, state = optimizer.apply(grads, state, params)
+            continue
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        if history is not None:
+            history.append(updates)
+    return params, state
+
+
+def abstract(tree):
+    """Each leaf's ``jax.ShapeDtypeStruct``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def run_offload(inner, params, steps: int, paths, *, reopen_at: int | None = None, **options):
+    """The same training with mlp_offload; optionally closes and resumes the tiers at ``reopen_at``.
+
+    Returns the params and the stats of the last update.
+    """
+    first = range(steps if reopen_at is None else min(reopen_at, steps))
+    with jax_mlp.mlp_offload(inner, paths=paths, **options) as tx:
+        params, _ = train(tx, params, tx.init(params), first)
+        stats = tx.stats
+    if len(first) == steps:
+        return params, stats
+    with jax_mlp.mlp_offload(inner, paths=paths, resume=True, **options) as tx:
+        state = tx.init(params)
+        assert int(state.step) == reopen_at
+        params, _ = train(tx, params, state, range(reopen_at, steps))
+        stats = tx.stats
+    return params, stats
+
+
+@contextlib.contextmanager
+def tmpfs(directory, size):
+    """A real tmpfs of ``size`` at ``directory``; skips the test where mounting is not allowed."""
+    directory.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def scale_by_global_norm() -> optax.GradientTransformation:
+    """A planted cross-leaf transformation: every update is divided by the norm of all of them."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        return jax.tree.map(lambda u: u / (norm + 1e-6), updates), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------- the exactness contract
 
 EXACT_BOUND = 1e-5
 """Each leaf within this times max|p| of in-memory optax, and each displacement within this times max|p - p0|."""

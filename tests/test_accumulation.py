@@ -1,4 +1,6 @@
-"""Gradient accumulation: optax.MultiSteps' math, no storage traffic on micro-steps, the window used for I/O."""
+"""``offload/accumulation.py``: gradient accumulation, optax.MultiSteps' math, no storage traffic on micro-steps, the
+window used for I/O.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import decay_mask, grads_at, make_params
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import assert_close_to_optax, assert_same_bits, decay_mask, grads_at, make_params, train
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,30 +29,23 @@ def adamw():
     return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
 
 
-def train(tx, params, calls, *, state=None):
-    """Applies ``tx``'s updates for the gradients of ``calls``; returns the params, the state and each call's updates."""
-    state = tx.init(params) if state is None else state
+def run_calls(tx, params, calls, *, state=None):
+    """Applies ``tx``'s updates for the gradients of ``calls`` (the shared ``train``), from ``tx.init`` unless
+    given a state; returns the params, the state and each call's updates."""
     history = []
-    for call in calls:
-        updates, state = tx.update(grads_at(params, call), state, params)
-        params = optax.apply_updates(params, updates)
-        history.append(updates)
+    params, state = train(tx, params, tx.init(params) if state is None else state, calls, history=history)
     return params, state, history
 
 
 def offloaded(params, paths, *, inner=adamw, reopen_at=None, **options):
     """Accumulating mlp_offload training over ``CALLS`` calls; optionally closes and resumes at call ``reopen_at``."""
     options = dict(subgroup_size=SUBGROUP, accumulate_steps=K, **options)
-    tx = jax_mlp.mlp_offload(inner(), paths=paths, **options)
-    if reopen_at is None:
-        params, _, _ = train(tx, params, range(CALLS))
-    else:
-        params, _, _ = train(tx, params, range(reopen_at))
-        tx.close()
-        tx = jax_mlp.mlp_offload(inner(), paths=paths, resume=True, **options)
-        params, _, _ = train(tx, params, range(reopen_at, CALLS))
-    assert tx.offloader.step == CALLS // K
-    tx.close()
+    if reopen_at is not None:
+        with jax_mlp.mlp_offload(inner(), paths=paths, **options) as tx:
+            params, _, _ = run_calls(tx, params, range(reopen_at))
+    with jax_mlp.mlp_offload(inner(), paths=paths, resume=reopen_at is not None, **options) as tx:
+        params, _, _ = run_calls(tx, params, range(reopen_at or 0, CALLS))
+        assert tx.offloader.step == CALLS // K
     return params
 
 
@@ -68,7 +62,7 @@ def test_same_math_as_multisteps_and_bits_independent_of_tiering(tmp_path):
     }
     for name, options in variants.items():
         assert_same_bits(offloaded(params, options.pop("paths"), **options), reference, name)
-    expected, _, _ = train(optax.MultiSteps(adamw(), every_k_schedule=K), params, range(CALLS))
+    expected, _, _ = run_calls(optax.MultiSteps(adamw(), every_k_schedule=K), params, range(CALLS))
     assert_close_to_optax(reference, expected, params)
 
 
@@ -76,7 +70,7 @@ def test_averaging_is_multisteps_bit_for_bit(tmp_path):
     """With sgd the update is the mean itself, scaled: the running mean's arithmetic is exactly MultiSteps'."""
     params = make_params()
     for dtype in (jnp.float32, jnp.bfloat16):
-        expected, _, _ = train(
+        expected, _, _ = run_calls(
             optax.MultiSteps(optax.sgd(0.1), every_k_schedule=K, accumulator_dtype=dtype), params, range(CALLS)
         )
         sgd = lambda: optax.sgd(0.1)  # noqa: E731
@@ -86,7 +80,7 @@ def test_averaging_is_multisteps_bit_for_bit(tmp_path):
 
 def test_micro_steps_return_zeros_and_touch_no_storage(tmp_path):
     params = make_params(dtype=jnp.bfloat16)
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         adamw(),
         paths=[tmp_path],
         subgroup_size=SUBGROUP,
@@ -94,23 +88,22 @@ def test_micro_steps_return_zeros_and_touch_no_storage(tmp_path):
         accumulate_steps=K,
         flush="lazy",
         idle_prefetch=False,
-    )
-    params, state, _ = train(tx, params, range(K))
-    stats = tx.stats
-    params, state, history = train(tx, params, range(K, 2 * K - 1), state=state)
-    for updates in history:
-        for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
-            assert u.dtype == jnp.float32 and u.shape == p.shape and not np.asarray(u).any()
-    assert int(state.step) == 1 and int(state.mini_step) == K - 1 and tx.offloader.step == 1
-    assert tx.stats is stats, "a micro-step produced stats"
-    train(tx, params, [2 * K - 1], state=state)
-    assert tx.offloader.step == 2 and tx.stats.step == 2
-    # The update's stats count the I/O since the last update: the micro-steps' would show beyond its own.
-    subgroups = tx.offloader.plan.subgroups
-    assert sum(tx.stats.bytes_read.values()) == sum(HEADER_SIZE + sg.layout.nbytes for sg in subgroups)
-    assert sum(tx.stats.bytes_written.values()) == sum(tx.stats.bytes_read.values())
-    assert tx.stats.cache_hits == 0 and tx.stats.cache_misses == len(subgroups)
-    tx.close()
+    ) as tx:
+        params, state, _ = run_calls(tx, params, range(K))
+        stats = tx.stats
+        params, state, history = run_calls(tx, params, range(K, 2 * K - 1), state=state)
+        for updates in history:
+            for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
+                assert u.dtype == jnp.float32 and u.shape == p.shape and not np.asarray(u).any()
+        assert int(state.step) == 1 and int(state.mini_step) == K - 1 and tx.offloader.step == 1
+        assert tx.stats is stats, "a micro-step produced stats"
+        run_calls(tx, params, [2 * K - 1], state=state)
+        assert tx.offloader.step == 2 and tx.stats.step == 2
+        # The update's stats count the I/O since the last update: the micro-steps' would show beyond its own.
+        subgroups = tx.offloader.plan.subgroups
+        assert sum(tx.stats.bytes_read.values()) == sum(HEADER_SIZE + sg.layout.nbytes for sg in subgroups)
+        assert sum(tx.stats.bytes_written.values()) == sum(tx.stats.bytes_read.values())
+        assert tx.stats.cache_hits == 0 and tx.stats.cache_misses == len(subgroups)
 
 
 def wait_for_idle_write_back(tx, timeout=60.0):
@@ -129,7 +122,7 @@ def per_update_traffic(tmp_path, name, steps):
     queued behind the first and began after the update did, once in a CI run.
     """
     params = {f"w{i}": jnp.full((64, 64), 0.1 * i, jnp.float32) for i in range(8)}
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         adamw(),
         paths=[tmp_path / name / "fast", tmp_path / name / "slow"],
         subgroup_size="32KiB",  # one leaf's adam state per record
@@ -137,19 +130,17 @@ def per_update_traffic(tmp_path, name, steps):
         prefetch_depth=2,
         write_depth=2,
         accumulate_steps=steps,
-    )
-    state, rows = tx.init(params), []
-    for call in range(4 * steps):
-        wait_for_idle_write_back(tx)
-        read_ahead = len(tx.offloader.prefetched)
-        updates, state = tx.update(grads_at(params, call), state, params)
-        params = optax.apply_updates(params, updates)
-        if call % steps == steps - 1:
-            stats = tx.stats
-            rows.append(
-                (sum(stats.bytes_read.values()), sum(stats.bytes_written.values()), stats.cache_hits, read_ahead)
-            )
-    tx.close()
+    ) as tx:
+        state, rows = tx.init(params), []
+        for call in range(4 * steps):
+            wait_for_idle_write_back(tx)
+            read_ahead = len(tx.offloader.prefetched)
+            params, state = train(tx, params, state, [call])
+            if call % steps == steps - 1:
+                stats = tx.stats
+                rows.append(
+                    (sum(stats.bytes_read.values()), sum(stats.bytes_written.values()), stats.cache_hits, read_ahead)
+                )
     return rows
 
 
@@ -166,13 +157,14 @@ def test_bytes_per_update_unchanged_and_the_window_reads_further_ahead(tmp_path)
 def test_accumulation_inside_jit_is_refused_and_leaves_the_run_intact(tmp_path):
     # A lax.cond around the in-jit route's host callback deadlocked XLA's CPU runtime now and then.
     params = make_params()
-    tx = jax_mlp.mlp_offload(adamw(), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=K)
-    state = tx.init(params)
-    with pytest.raises(OffloadError, match=r"accumulate_steps=3 was called inside jax.jit; accumulation runs eagerly"):
-        jax.jit(tx.update)(grads_at(params, 0), state, params)
-    _, state = tx.update(grads_at(params, 0), state, params)
-    assert int(state.mini_step) == 1 and tx.offloader.step == 0
-    tx.close()
+    with jax_mlp.mlp_offload(adamw(), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=K) as tx:
+        state = tx.init(params)
+        with pytest.raises(
+            OffloadError, match=r"accumulate_steps=3 was called inside jax.jit; accumulation runs eagerly"
+        ):
+            jax.jit(tx.update)(grads_at(params, 0), state, params)
+        _, state = tx.update(grads_at(params, 0), state, params)
+        assert int(state.mini_step) == 1 and tx.offloader.step == 0
 
 
 def multisteps_around(offload, params):
@@ -189,18 +181,17 @@ def test_multisteps_around_mlp_offload_is_refused_at_its_first_call(tmp_path, me
     if mesh:
         fsdp = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
         params = jax.tree.map(lambda p: jax.device_put(p, NamedSharding(fsdp, P("fsdp") if p.ndim else P())), params)
-    offload = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "init"])
-    with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
-        optax.MultiSteps(optax.chain(optax.clip(1.0), offload), every_k_schedule=2).init(params)
-    assert offload.offloader.plan is None and not (tmp_path / "init").exists(), "init wrote before refusing"
-
-    offload = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "update"])
-    tx, state = multisteps_around(offload, params)
-    for update in (tx.update, jax.jit(tx.update)):
+    with jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "init"]) as offload:
         with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
-            update(grads_at(params, 0), state, params)
-    assert offload.offloader.step == 0 and offload.stats.step == 0
-    offload.close()
+            optax.MultiSteps(optax.chain(optax.clip(1.0), offload), every_k_schedule=2).init(params)
+        assert offload.offloader.plan is None and not (tmp_path / "init").exists(), "init wrote before refusing"
+
+    with jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "update"]) as offload:
+        tx, state = multisteps_around(offload, params)
+        for update in (tx.update, jax.jit(tx.update)):
+            with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
+                update(grads_at(params, 0), state, params)
+        assert offload.offloader.step == 0 and offload.stats.step == 0
 
 
 def test_accumulation_options_and_states_are_checked(tmp_path):
@@ -211,13 +202,13 @@ def test_accumulation_options_and_states_are_checked(tmp_path):
         jax_mlp.mlp_offload(adamw(), paths=[tmp_path], accumulator_dtype=jnp.int32)
     params = make_params()
     for steps, other in ((K, 1), (1, K)):
-        tx = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / f"k{steps}"], accumulate_steps=steps)
-        tx.init(params)
-        foreign = jax_mlp.mlp_offload(adamw(), paths=[tmp_path / f"other{steps}"], accumulate_steps=other)
-        with pytest.raises(OffloadError, match=rf"accumulate_steps={steps}.*accumulation window"):
-            tx.update(grads_at(params, 0), foreign.init(params), params)
-        tx.close()
-        foreign.close()
+        with (
+            jax_mlp.mlp_offload(adamw(), paths=[tmp_path / f"k{steps}"], accumulate_steps=steps) as tx,
+            jax_mlp.mlp_offload(adamw(), paths=[tmp_path / f"other{steps}"], accumulate_steps=other) as foreign,
+        ):
+            tx.init(params)
+            with pytest.raises(OffloadError, match=rf"accumulate_steps={steps}.*accumulation window"):
+                tx.update(grads_at(params, 0), foreign.init(params), params)
 
 
 def test_sharded_accumulation_keeps_shardings(tmp_path):
@@ -226,12 +217,11 @@ def test_sharded_accumulation_keeps_shardings(tmp_path):
         lambda p: jax.device_put(p, NamedSharding(mesh, P("fsdp") if p.ndim and p.shape[0] % 4 == 0 else P())),
         make_params(),
     )
-    calls = range(2 * K)
-    expected, _, _ = train(optax.MultiSteps(adamw(), every_k_schedule=K), params, calls)
-    tx = jax_mlp.mlp_offload(adamw(), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=K)
-    got, state, history = train(tx, params, calls)
-    assert tx.offloader.step == 2
-    tx.close()
+    window = range(2 * K)
+    expected, _, _ = run_calls(optax.MultiSteps(adamw(), every_k_schedule=K), params, window)
+    with jax_mlp.mlp_offload(adamw(), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=K) as tx:
+        got, state, history = run_calls(tx, params, window)
+        assert tx.offloader.step == 2
     for tree in (got, state.acc_grads, history[0], history[K - 1]):
         for x, p in zip(jax.tree.leaves(tree), jax.tree.leaves(params), strict=True):
             assert x.sharding.is_equivalent_to(p.sharding, p.ndim), (x.sharding, p.sharding)

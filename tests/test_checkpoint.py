@@ -15,8 +15,17 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, decay_mask, grads_at, make_params, train
-from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, max_relative_deviation
+from helpers import (
+    EXACT_BOUND,
+    abstract,
+    assert_close_to_optax,
+    assert_same_bits,
+    decay_mask,
+    grads_at,
+    make_params,
+    max_relative_deviation,
+    train,
+)
 
 import jax_mlp
 from jax_mlp._src.plan import remainders
@@ -45,18 +54,17 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from conftest import abstract, grads_at, make_params, train
+    from helpers import abstract, grads_at, make_params, train
     from test_checkpoint import INNER, restore
 
     root = sys.argv[2]
     like = abstract(make_params())
 
     def offloaded(directory, step, **options):
-        tx = jax_mlp.mlp_offload(INNER, **options)
-        params, state = restore(directory, 5, jax_mlp.OffloadRestore(tx, like), like)
-        assert int(state.step) == step, state
-        params, _ = train(tx, params, state, range(5, 10))
-        tx.close()
+        with jax_mlp.mlp_offload(INNER, **options) as tx:
+            params, state = restore(directory, 5, jax_mlp.OffloadRestore(tx, like), like)
+            assert int(state.step) == step, state
+            params, _ = train(tx, params, state, range(5, 10))
         return params
 
     def plain(directory):
@@ -80,15 +88,16 @@ CHILD = textwrap.dedent(
 
 def test_a_checkpoint_restores_in_a_new_process_bitwise_and_into_and_from_plain_optax(tmp_path):
     params = make_params()
-    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a", tmp_path / "b"], **OPTIONS)
-    with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
+    with (
+        jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a", tmp_path / "b"], **OPTIONS) as tx,
+        ocp.CheckpointManager(tmp_path / "offloaded") as manager,
+    ):
         state = tx.init(params)
         assert any(p.rows is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces), "a leaf is split"
         params, state = train(tx, params, state, range(5))
         args = ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
         manager.save(5, args=args)
         offloaded, _ = train(tx, params, state, range(5, 10))  # while the save streams out
-    tx.close()
 
     plain_params = make_params()
     with ocp.CheckpointManager(tmp_path / "plain") as manager:
@@ -132,8 +141,10 @@ def test_master_params_round_trip_and_restore_into_plain_optax(storage, tmp_path
     """
     params = make_params(dtype=jnp.bfloat16)
     options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32, "master_storage": storage}
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], **options)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with (
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], **options) as tx,
+        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+    ):
         state = tx.init(params)
         params, state = train(tx, params, state, range(5))
         if storage == "remainder":
@@ -145,14 +156,12 @@ def test_master_params_round_trip_and_restore_into_plain_optax(storage, tmp_path
         )
         offloaded, state = train(tx, params, state, range(5, 10))
         manager.save(10, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx, offloaded)))
-    tx.close()
     assert "No jax.Array in TypeHandlerRegistry" not in caplog.text
 
     like = abstract(params)
-    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], **options)
-    restored, state = restore(tmp_path / "ckpt", 5, jax_mlp.OffloadRestore(resumed, like), like)
-    assert_same_bits(train(resumed, restored, state, range(5, 10))[0], offloaded)
-    resumed.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], **options) as resumed:
+        restored, state = restore(tmp_path / "ckpt", 5, jax_mlp.OffloadRestore(resumed, like), like)
+        assert_same_bits(train(resumed, restored, state, range(5, 10))[0], offloaded)
 
     layout = jax_mlp.standard_layout(optax.adam(1e-2), like, jnp.float32)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
@@ -178,21 +187,22 @@ def test_a_plain_checkpoint_needs_param_values_to_start_master_params(tmp_path):
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         manager.save(0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(plain)))
     options = {"paths": [tmp_path / "a"], "subgroup_size": "16KiB", "master_dtype": jnp.float32}
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), master_storage="remainder", **options)
-    with (
-        pytest.raises(jax_mlp.OffloadError, match=r"has no master params.*pass the params' values"),
-        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
-    ):
-        manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(params))))
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
-    # The masters started from the params: their remainders are zero. Only the high halves (the
-    # params) are not in the tiers, so they cannot give the params back.
-    pin = tx.offloader.pin()
-    assert not any(np.any(m) for sg in tx.offloader.plan.subgroups for m in tx.offloader.read_pinned(pin, sg.index)[1])
-    with pytest.raises(jax_mlp.OffloadError, match=r"remainders.*master_storage='full' to resume"):
-        jax_mlp.restore_params(tx, params)
-    tx.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), master_storage="remainder", **options) as tx:
+        with (
+            pytest.raises(jax_mlp.OffloadError, match=r"has no master params.*pass the params' values"),
+            ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+        ):
+            manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(params))))
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
+        # The masters started from the params: their remainders are zero. Only the high halves (the
+        # params) are not in the tiers, so they cannot give the params back.
+        pin = tx.offloader.pin()
+        assert not any(
+            np.any(m) for sg in tx.offloader.plan.subgroups for m in tx.offloader.read_pinned(pin, sg.index)[1]
+        )
+        with pytest.raises(jax_mlp.OffloadError, match=r"remainders.*master_storage='full' to resume"):
+            jax_mlp.restore_params(tx, params)
 
 
 def test_a_checkpoint_of_another_optimizer_or_model_is_refused_with_the_reason(tmp_path):
@@ -201,15 +211,15 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused_with_the_reason(t
         manager.save(
             0, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(optax.sgd(1e-2, momentum=0.9).init(params)))
         )
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"])
     with (
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"]) as tx,
         pytest.raises(jax_mlp.OffloadError, match=r"does not hold the state of this optimizer"),
         ocp.CheckpointManager(tmp_path / "ckpt") as manager,
     ):
         manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
     other = dict(params, embed=jnp.zeros((41, 16)))
-    tx = jax_mlp.mlp_offload(optax.sgd(1e-2, momentum=0.9), paths=[tmp_path / "b"])
     with (
+        jax_mlp.mlp_offload(optax.sgd(1e-2, momentum=0.9), paths=[tmp_path / "b"]) as tx,
         pytest.raises(jax_mlp.OffloadError, match=r"\['embed'\] with shape \(40, 16\).*need \(41, 16\)"),
         ocp.CheckpointManager(tmp_path / "ckpt") as manager,
     ):
@@ -219,60 +229,58 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused_with_the_reason(t
 def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path, monkeypatch):
     """Only writes that would overwrite a record the save has not read yet wait for it."""
     params = make_params()
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], subgroup_size="16KiB")
-    state = tx.init(params)
-    params, state = train(tx, params, state, range(3))
-    num_subgroups = len(tx.offloader.plan.subgroups)
-    read_done, writes = {}, []
-    original_read, original_write = jax_mlp.Offloader.read_pinned, PathStore.write
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], subgroup_size="16KiB") as tx:
+        state = tx.init(params)
+        params, state = train(tx, params, state, range(3))
+        num_subgroups = len(tx.offloader.plan.subgroups)
+        read_done, writes = {}, []
+        original_read, original_write = jax_mlp.Offloader.read_pinned, PathStore.write
 
-    def slow_read(self, pin, index):
-        time.sleep(0.1)  # a slow save: 24 records on 2 reader threads take 1.2 s or more
-        result = original_read(self, pin, index)
-        read_done[index] = time.perf_counter()
-        return result
+        def slow_read(self, pin, index):
+            time.sleep(0.1)  # a slow save: 24 records on 2 reader threads take 1.2 s or more
+            result = original_read(self, pin, index)
+            read_done[index] = time.perf_counter()
+            return result
 
-    def logged_write(self, subgroup, slot, record):
-        writes.append((subgroup, slot, time.perf_counter()))
-        return original_write(self, subgroup, slot, record)
+        def logged_write(self, subgroup, slot, record):
+            writes.append((subgroup, slot, time.perf_counter()))
+            return original_write(self, subgroup, slot, record)
 
-    monkeypatch.setattr(jax_mlp.Offloader, "read_pinned", slow_read)
-    monkeypatch.setattr(PathStore, "write", logged_write)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        save_started = time.perf_counter()
-        manager.save(
-            3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+        monkeypatch.setattr(jax_mlp.Offloader, "read_pinned", slow_read)
+        monkeypatch.setattr(PathStore, "write", logged_write)
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            save_started = time.perf_counter()
+            manager.save(
+                3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+            )
+            blocking = time.perf_counter() - save_started
+            params_3 = params
+            started = time.perf_counter()
+            params, state = train(tx, params, state, [3])  # writes the other slot: must not wait
+            free_update = time.perf_counter() - started
+            started = time.perf_counter()
+            params, state = train(tx, params, state, [4])  # overwrites step 3's slot: waits per record
+            pinned_update = time.perf_counter() - started
+            manager.wait_until_finished()
+        save_seconds = max(read_done.values()) - save_started
+        print(
+            f"save of {num_subgroups} slowed reads: blocking {blocking * 1e3:.0f} ms, update beside it "
+            f"{free_update * 1e3:.0f} ms, the next one {pinned_update * 1e3:.0f} ms, save reading {save_seconds:.2f} s"
         )
-        blocking = time.perf_counter() - save_started
-        params_3 = params
-        started = time.perf_counter()
-        params, state = train(tx, params, state, [3])  # writes the other slot: must not wait
-        free_update = time.perf_counter() - started
-        started = time.perf_counter()
-        params, state = train(tx, params, state, [4])  # overwrites step 3's slot: waits per record
-        pinned_update = time.perf_counter() - started
-        manager.wait_until_finished()
-    save_seconds = max(read_done.values()) - save_started
-    print(
-        f"save of {num_subgroups} slowed reads: blocking {blocking * 1e3:.0f} ms, update beside it "
-        f"{free_update * 1e3:.0f} ms, the next one {pinned_update * 1e3:.0f} ms, save reading {save_seconds:.2f} s"
-    )
-    assert blocking < 0.25 * save_seconds
-    step_4_writes = [at for _, slot, at in writes if slot == 4 % 2]
-    assert step_4_writes and max(step_4_writes) < save_started + save_seconds, "the next update waited for the save"
-    step_5_writes = {subgroup: at for subgroup, slot, at in writes if slot == 5 % 2}
-    assert len(step_5_writes) == num_subgroups
-    assert all(step_5_writes[k] >= read_done[k] for k in range(num_subgroups)), "a pinned record was overwritten"
-    monkeypatch.undo()
-    expected, _ = train(tx, params, state, range(5, 8))
-    tx.close()
+        assert blocking < 0.25 * save_seconds
+        step_4_writes = [at for _, slot, at in writes if slot == 4 % 2]
+        assert step_4_writes and max(step_4_writes) < save_started + save_seconds, "the next update waited for the save"
+        step_5_writes = {subgroup: at for subgroup, slot, at in writes if slot == 5 % 2}
+        assert len(step_5_writes) == num_subgroups
+        assert all(step_5_writes[k] >= read_done[k] for k in range(num_subgroups)), "a pinned record was overwritten"
+        monkeypatch.undo()
+        expected, _ = train(tx, params, state, range(5, 8))
 
     like = abstract(params_3)
-    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], subgroup_size="16KiB")
-    restored, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(resumed, like), like)
-    assert int(state.step) == 3
-    assert_same_bits(train(resumed, restored, state, range(3, 8))[0], expected)
-    resumed.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "b"], subgroup_size="16KiB") as resumed:
+        restored, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(resumed, like), like)
+        assert int(state.step) == 3
+        assert_same_bits(train(resumed, restored, state, range(3, 8))[0], expected)
 
 
 MEMORY = textwrap.dedent(
@@ -351,25 +359,25 @@ def test_peak_memory_of_save_and_restore_stays_within_the_bound_of_update(tmp_pa
 
 def test_a_restore_onto_this_runs_paths_replaces_their_state_and_another_run_is_refused(tmp_path):
     params, paths = make_params(), [tmp_path / "a", tmp_path / "b"]
-    tx = jax_mlp.mlp_offload(INNER, paths=paths, **OPTIONS)
-    trained, state = train(tx, params, tx.init(params), range(3))
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(
-            3, args=ocp.args.Composite(params=ocp.args.StandardSave(trained), opt_state=jax_mlp.OffloadSave(tx))
-        )
-    train(tx, trained, state, range(3, 5))
-    tx.close()  # the tiers hold step 5, the checkpoint step 3
+    with jax_mlp.mlp_offload(INNER, paths=paths, **OPTIONS) as tx:
+        trained, state = train(tx, params, tx.init(params), range(3))
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            manager.save(
+                3, args=ocp.args.Composite(params=ocp.args.StandardSave(trained), opt_state=jax_mlp.OffloadSave(tx))
+            )
+        train(tx, trained, state, range(3, 5))
+    # Closed: the tiers hold step 5, the checkpoint step 3.
 
-    tx = jax_mlp.mlp_offload(INNER, paths=paths, **OPTIONS)
-    with pytest.warns(UserWarning, match=r"hold this run's offloaded state up to step 5: that state is discarded"):
-        _, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(tx, abstract(params)), abstract(params))
-    assert int(state.step) == 3
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=paths, **OPTIONS) as tx:
+        with pytest.warns(UserWarning, match=r"hold this run's offloaded state up to step 5: that state is discarded"):
+            _, state = restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(tx, abstract(params)), abstract(params))
+        assert int(state.step) == 3
     # The other slot's records of step 4 are gone with the rest: the tiers resume at the restored step.
-    resumed = jax_mlp.mlp_offload(INNER, paths=paths, resume=True, **OPTIONS)
-    assert int(resumed.init(params).step) == 3
-    resumed.close()
+    with jax_mlp.mlp_offload(INNER, paths=paths, resume=True, **OPTIONS) as resumed:
+        assert int(resumed.init(params).step) == 3
 
-    other = jax_mlp.mlp_offload(INNER, paths=paths, **dict(OPTIONS, subgroup_size="8KiB"))
-    with pytest.raises(jax_mlp.RecordError, match=r"its subgroup_size is 16384, this offload's 8192.*or delete"):
+    with (
+        jax_mlp.mlp_offload(INNER, paths=paths, **dict(OPTIONS, subgroup_size="8KiB")) as other,
+        pytest.raises(jax_mlp.RecordError, match=r"its subgroup_size is 16384, this offload's 8192.*or delete"),
+    ):
         restore(tmp_path / "ckpt", 3, jax_mlp.OffloadRestore(other, abstract(params)), abstract(params))

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_params, train
-from helpers import assert_same_bits
+from helpers import assert_same_bits, make_params, train
 
 import jax_mlp
 from jax_mlp._src.storage.paths import open_path
@@ -50,7 +49,7 @@ CHILD = textwrap.dedent(
     from jax_mlp._src.stream.engine import Engine
     from jax_mlp._src.storage.paths import PathStore
     from jax_mlp._src.storage.tier_stack import TierStack
-    from conftest import make_params, train
+    from helpers import make_params, train
     from test_crash import KILLED_AT, OPTIONS, STEPS, INNER
 
     root, point = sys.argv[2], sys.argv[3]
@@ -119,10 +118,9 @@ CHILD = textwrap.dedent(
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    tx = jax_mlp.mlp_offload(INNER, paths=[root / "nvme", root / "pfs"], **OPTIONS)
-    params = make_params(dtype=jnp.bfloat16)
-    params, _ = train(tx, params, tx.init(params), range(STEPS))
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=[root / "nvme", root / "pfs"], **OPTIONS) as tx:
+        params = make_params(dtype=jnp.bfloat16)
+        params, _ = train(tx, params, tx.init(params), range(STEPS))
     return params
 
 
@@ -151,39 +149,36 @@ def test_kill_9_during_an_update_resumes_from_the_tiers_bitwise(point, killed, u
     where = json.loads((root / "killed.json").read_text())
     assert where["point"] == point
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_params(dtype=jnp.bfloat16))
-    tx = jax_mlp.mlp_offload(INNER, paths=[root / "nvme", root / "pfs"], resume=True, **OPTIONS)
-    state = tx.init(like)
-    step = int(state.step)
-    assert step == RESUMES_AT[point], f"killed at {where}, resumed at step {step}"
-    if "path" in where:  # the half-written record is there, and its checksum rejects it
-        torn = open_path(jax_mlp.Path(where["path"]))
-        assert (Path(torn.directory) / f"sg{where['subgroup']:06d}.{where['slot']}" / "zarr.json").exists()
-        assert torn.verified_step(where["subgroup"], where["slot"], tx.offloader.plan.layout_hash) is None
-    params = jax_mlp.restore_params(tx, like)
-    params, _ = train(tx, params, state, range(step, STEPS))  # the data restarts at the resumed step
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=[root / "nvme", root / "pfs"], resume=True, **OPTIONS) as tx:
+        state = tx.init(like)
+        step = int(state.step)
+        assert step == RESUMES_AT[point], f"killed at {where}, resumed at step {step}"
+        if "path" in where:  # the half-written record is there, and its checksum rejects it
+            torn = open_path(jax_mlp.Path(where["path"]))
+            assert (Path(torn.directory) / f"sg{where['subgroup']:06d}.{where['slot']}" / "zarr.json").exists()
+            assert torn.verified_step(where["subgroup"], where["slot"], tx.offloader.plan.layout_hash) is None
+        params = jax_mlp.restore_params(tx, like)
+        params, _ = train(tx, params, state, range(step, STEPS))  # the data restarts at the resumed step
     assert_same_bits(params, uninterrupted, f"killed at {where}")
 
 
 def test_restore_params_needs_master_params_in_the_tiers(tmp_path):
     params = make_params()
-    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], subgroup_size="16KiB")
-    with pytest.raises(jax_mlp.OffloadError, match="needs an initialised"):
-        jax_mlp.restore_params(tx, params)
-    tx.init(params)
-    with pytest.raises(jax_mlp.OffloadError, match=r"master_dtype=None.*restore them from a checkpoint"):
-        jax_mlp.restore_params(tx, params)
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], subgroup_size="16KiB") as tx:
+        with pytest.raises(jax_mlp.OffloadError, match="needs an initialised"):
+            jax_mlp.restore_params(tx, params)
+        tx.init(params)
+        with pytest.raises(jax_mlp.OffloadError, match=r"master_dtype=None.*restore them from a checkpoint"):
+            jax_mlp.restore_params(tx, params)
 
 
 def test_restore_params_checks_the_tree_it_is_given(tmp_path):
     params = make_params(dtype=jnp.bfloat16)
-    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], **OPTIONS)
-    tx.init(params)
-    with pytest.raises(jax_mlp.OffloadError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
-        jax_mlp.restore_params(tx, dict(params, embed=params["embed"].astype(jnp.float32)))
-    assert_same_bits(jax_mlp.restore_params(tx, params), params)
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=[tmp_path / "a"], **OPTIONS) as tx:
+        tx.init(params)
+        with pytest.raises(jax_mlp.OffloadError, match=r"\['embed'\] is float32\[40, 16\].*bfloat16\[40, 16\]"):
+            jax_mlp.restore_params(tx, dict(params, embed=params["embed"].astype(jnp.float32)))
+        assert_same_bits(jax_mlp.restore_params(tx, params), params)
 
 
 # The "Restart after a crash" recipe of docs/checkpoints.md, as a script run twice on the same paths.
@@ -194,7 +189,7 @@ RECIPE = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from conftest import grads_at, make_params
+    from helpers import grads_at, make_params
     from test_crash import RECIPE_STEPS, SAVE_EVERY
 
     root = sys.argv[2]
@@ -267,8 +262,10 @@ def test_restarting_after_a_kill_9_restores_the_checkpoint_onto_the_same_paths_b
     killed = _recipe(KILL_IN_RECIPE, tmp_path / "restarted")
     assert killed.returncode == -signal.SIGKILL, f"rc={killed.returncode}\n{killed.stderr[-3000:]}"
     paths = [tmp_path / "restarted" / "nvme", tmp_path / "restarted" / "pfs"]
-    held = jax_mlp.mlp_offload(optax.adam(1e-2), paths=paths, subgroup_size="32KiB")
-    with pytest.raises(jax_mlp.OffloadError, match=r"already holds this run's .*step 5.*OffloadRestore"):
+    with (
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=paths, subgroup_size="32KiB") as held,
+        pytest.raises(jax_mlp.OffloadError, match=r"already holds this run's .*step 5.*OffloadRestore"),
+    ):
         held.init(make_params())  # the tiers went on past the checkpoint of step 3
     restarted = _recipe(RECIPE, tmp_path / "restarted")  # the same script, run again
     assert restarted.returncode == 0, restarted.stderr[-3000:]

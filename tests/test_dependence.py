@@ -1,4 +1,6 @@
-"""The optimizer check reads leaf and row coupling from jaxprs; the plan keeps row-coupled leaves whole."""
+"""``plan/optimizer_check.py`` and ``plan/dependencies.py``: the optimizer check reads leaf and row coupling from
+jaxprs; the plan keeps row-coupled leaves whole.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import scale_by_global_norm
+from helpers import scale_by_global_norm
 
 import jax_mlp
 from jax_mlp._src.errors import OffloadError
@@ -107,7 +109,7 @@ def test_a_leaf_wise_use_of_an_extra_argument_passes():
 
 
 def test_a_planted_global_norm_transformation_is_refused_by_name():
-    with pytest.raises(CoupledOptimizerError, match=r"scale_by_global_norm \(.*conftest\.py:\d+\)") as caught:
+    with pytest.raises(CoupledOptimizerError, match=r"scale_by_global_norm \(.*helpers\.py:\d+\)") as caught:
         check_optimizer(optax.chain(optax.adam(1e-3), scale_by_global_norm()), TREE, None)
     assert "['dense']['b']" in str(caught.value) and "['dense']['w']" in str(caught.value)
 

@@ -7,14 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import OPTIMIZERS, grads_at, make_params, run_offload, run_optax
 from helpers import (
     EXACT_BOUND,
     LOW_PRECISION_STATE_BOUND,
+    OPTIMIZERS,
     assert_bf16_within_ulp,
     assert_close_to_optax,
     assert_same_bits,
+    grads_at,
+    make_params,
     max_relative_deviation,
+    run_offload,
+    run_optax,
 )
 
 import jax_mlp
@@ -65,18 +69,17 @@ def test_a_skipped_subgroup_is_far_above_the_bound(paths):
     """The tolerance is tight enough to catch a real bug: one subgroup's update skipped once."""
     inner = optax.adam(1e-2)
     params = make_params()
-    tx = jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP)
-    state = tx.init(params)
-    skipped_leaf = tx.offloader.plan.subgroups[2].pieces[0].leaf
-    offloaded = params
-    for step in range(STEPS):
-        updates, state = tx.update(grads_at(offloaded, step), state, offloaded)
-        if step == 4:
-            leaves, treedef = jax.tree.flatten(updates)
-            leaves[skipped_leaf] = jnp.zeros_like(leaves[skipped_leaf])
-            updates = jax.tree.unflatten(treedef, leaves)
-        offloaded = optax.apply_updates(offloaded, updates)
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP) as tx:
+        state = tx.init(params)
+        skipped_leaf = tx.offloader.plan.subgroups[2].pieces[0].leaf
+        offloaded = params
+        for step in range(STEPS):
+            updates, state = tx.update(grads_at(offloaded, step), state, offloaded)
+            if step == 4:
+                leaves, treedef = jax.tree.flatten(updates)
+                leaves[skipped_leaf] = jnp.zeros_like(leaves[skipped_leaf])
+                updates = jax.tree.unflatten(treedef, leaves)
+            offloaded = optax.apply_updates(offloaded, updates)
     deviations = max_relative_deviation(offloaded, run_optax(inner, params, STEPS, jit=True))
     assert max(deviations.values()) > 100 * EXACT_BOUND, deviations
 
@@ -97,15 +100,14 @@ def test_bf16_params_with_fp32_master(paths):
         master = optax.apply_updates(master, updates)
     expected = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
 
-    tx = jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
-    opt_state = tx.init(params)
-    for step in range(STEPS):
-        grads = grads_at(params, step)
-        assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32) as tx:
+        opt_state = tx.init(params)
+        for step in range(STEPS):
+            grads = grads_at(params, step)
+            assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
 
     assert_bf16_within_ulp(params, expected, "offloaded against the same scheme in memory")
 
@@ -137,14 +139,13 @@ def test_apply_updates_gives_exactly_the_master_cast_and_remainders_rebuild_the_
     start = make_params(dtype=jnp.bfloat16)
     masters = {}
     for storage, path in zip(("full", "remainder"), paths, strict=False):
-        tx = jax_mlp.mlp_offload(
+        with jax_mlp.mlp_offload(
             optax.adam(1e-2), paths=[path], subgroup_size="1MiB", master_dtype=jnp.float32, master_storage=storage
-        )
-        state, params = tx.init(start), start
-        assert len(tx.offloader.plan.subgroups) == 1
-        for step in range(3):
-            updates, state = tx.update(grads_at(start, step), state, params)
-            params = optax.apply_updates(params, updates)
-        masters[storage] = _masters_of(tx, params)
-        tx.close()
+        ) as tx:
+            state, params = tx.init(start), start
+            assert len(tx.offloader.plan.subgroups) == 1
+            for step in range(3):
+                updates, state = tx.update(grads_at(start, step), state, params)
+                params = optax.apply_updates(params, updates)
+            masters[storage] = _masters_of(tx, params)
     assert_same_bits(masters["remainder"], masters["full"])

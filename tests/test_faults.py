@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, make_params, tmpfs, train
 from faults import inject_write_faults
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import abstract, assert_close_to_optax, assert_same_bits, make_params, tmpfs, train
 
 import jax_mlp
 from jax_mlp._src.storage import capacity
@@ -52,23 +51,22 @@ def start(paths, **options):
 def reference(tmp_path_factory):
     """Params after each of 8 uninterrupted steps."""
     tx, params, state = start([tmp_path_factory.mktemp("reference")])
-    history = [params]
-    for step in range(8):
-        params, state = train(tx, params, state, [step])
-        history.append(params)
-    tx.close()
+    with tx:
+        history = [params]
+        for step in range(8):
+            params, state = train(tx, params, state, [step])
+            history.append(params)
     return history
 
 
 def resume_and_finish(paths, steps_done, reference):
     """Resumes from the tiers alone, checks the params, trains to step 8; returns the params."""
-    tx = jax_mlp.mlp_offload(INNER, paths=paths, resume=True, **OPTIONS)
-    state = tx.init(abstract(reference[0]))
-    assert int(state.step) == steps_done
-    params = jax_mlp.restore_params(tx, abstract(reference[0]))
-    assert_same_bits(params, reference[steps_done])
-    params, _ = train(tx, params, state, range(steps_done, 8))
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=paths, resume=True, **OPTIONS) as tx:
+        state = tx.init(abstract(reference[0]))
+        assert int(state.step) == steps_done
+        params = jax_mlp.restore_params(tx, abstract(reference[0]))
+        assert_same_bits(params, reference[steps_done])
+        params, _ = train(tx, params, state, range(steps_done, 8))
     return params
 
 
@@ -83,18 +81,18 @@ def fill(directory):
 def test_a_full_disk_names_the_path_and_the_last_step_resumes_on_a_roomy_path(tmp_path, reference):
     with tmpfs(tmp_path / "nvme", "4m") as nvme:
         tx, params, state = start([nvme, tmp_path / "pfs"])
-        params, state = train(tx, params, state, range(3))
-        assert any(nvme.glob("proc0000/sg*")), "the small path holds records"
-        # The last update's idle-time write-back must land before the disk fills: if it met the full disk
-        # instead, its records would stay dirty in the cache and close() would fail to flush them too.
-        tx.flush()
-        print(f"records take {shutil.disk_usage(nvme).used / 2**20:.2f} MiB of the tmpfs before it is filled")
-        fill(nvme)
-        with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is full.*free space there or give another path"):
-            train(tx, params, state, [3])
-        # The remedy "give another path": move the full path's records to a roomy one and resume there.
-        shutil.copytree(nvme, tmp_path / "roomy", ignore=shutil.ignore_patterns("filler"))
-        tx.close()
+        with tx:
+            params, state = train(tx, params, state, range(3))
+            assert any(nvme.glob("proc0000/sg*")), "the small path holds records"
+            # The last update's idle-time write-back must land before the disk fills: if it met the full disk
+            # instead, its records would stay dirty in the cache and close() would fail to flush them too.
+            tx.flush()
+            print(f"records take {shutil.disk_usage(nvme).used / 2**20:.2f} MiB of the tmpfs before it is filled")
+            fill(nvme)
+            with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is full.*free space there or give another path"):
+                train(tx, params, state, [3])
+            # The remedy "give another path": move the full path's records to a roomy one and resume there.
+            shutil.copytree(nvme, tmp_path / "roomy", ignore=shutil.ignore_patterns("filler"))
     finished = resume_and_finish([tmp_path / "roomy", tmp_path / "pfs"], 3, reference)
     assert_same_bits(finished, reference[8])
 
@@ -102,13 +100,13 @@ def test_a_full_disk_names_the_path_and_the_last_step_resumes_on_a_roomy_path(tm
 def test_a_path_remounted_read_only_names_the_path_and_the_update_can_be_retried(tmp_path, reference):
     with tmpfs(tmp_path / "nvme", "8m") as nvme:
         tx, params, state = start([nvme, tmp_path / "pfs"])
-        params, state = train(tx, params, state, range(2))
-        subprocess.run(["mount", "-o", "remount,ro", str(nvme)], check=True)
-        with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is not writable \(a read-only file system\)"):
-            train(tx, params, state, [2])
-        subprocess.run(["mount", "-o", "remount,rw", str(nvme)], check=True)
-        params, _ = train(tx, params, state, range(2, 8))  # the same opt_state: nothing was lost
-        tx.close()
+        with tx:
+            params, state = train(tx, params, state, range(2))
+            subprocess.run(["mount", "-o", "remount,ro", str(nvme)], check=True)
+            with pytest.raises(jax_mlp.PathError, match=rf"path {nvme} is not writable \(a read-only file system\)"):
+                train(tx, params, state, [2])
+            subprocess.run(["mount", "-o", "remount,rw", str(nvme)], check=True)
+            params, _ = train(tx, params, state, range(2, 8))  # the same opt_state: nothing was lost
     assert_same_bits(params, reference[8])
 
 
@@ -135,30 +133,33 @@ TENSORSTORE_EROFS = ValueError(
 def test_injected_os_errors_name_the_path_and_remedy_and_lose_nothing(paths, reference, monkeypatch, error, message):
     fault = inject_write_faults(monkeypatch)
     tx, params, state = start(paths[:2])
-    params, state = train(tx, params, state, range(2))
-    tx.flush()  # the idle-time write-back of step 2 is done: the fault hits update 2's own writes
-    broken = str(paths[1])
-    fault.fail(error, root=broken)
-    with pytest.raises(jax_mlp.PathError, match=rf"writing record {broken}/proc0000/sg\d+\.1: path {broken} {message}"):
-        train(tx, params, state, [2])
-    fault.clear()  # space freed, permissions fixed
-    params, _ = train(tx, params, state, range(2, 8))
-    tx.close()
+    with tx:
+        params, state = train(tx, params, state, range(2))
+        tx.flush()  # the idle-time write-back of step 2 is done: the fault hits update 2's own writes
+        broken = str(paths[1])
+        fault.fail(error, root=broken)
+        with pytest.raises(
+            jax_mlp.PathError, match=rf"writing record {broken}/proc0000/sg\d+\.1: path {broken} {message}"
+        ):
+            train(tx, params, state, [2])
+        fault.clear()  # space freed, permissions fixed
+        params, _ = train(tx, params, state, range(2, 8))
     assert_same_bits(params, reference[8])
 
 
 def test_a_path_that_vanishes_mid_run_is_named_and_the_last_checkpoint_restores(paths, reference, tmp_path):
     tx, params, state = start(paths[:2])
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        params, state = train(tx, params, state, range(2))
-        manager.save(
-            2, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
-        )
-        params, state = train(tx, params, state, [2, 3])
-    shutil.rmtree(paths[1])
-    with pytest.raises(jax_mlp.PathError, match=rf"path {paths[1]} is gone.*restore it or give another path"):
-        train(tx, params, state, [4])
-    tx.close(delete=True)
+    with tx:
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            params, state = train(tx, params, state, range(2))
+            manager.save(
+                2, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+            )
+            params, state = train(tx, params, state, [2, 3])
+        shutil.rmtree(paths[1])
+        with pytest.raises(jax_mlp.PathError, match=rf"path {paths[1]} is gone.*restore it or give another path"):
+            train(tx, params, state, [4])
+        tx.close(delete=True)
     assert_same_bits(restore_and_finish(tmp_path, paths[2], reference), reference[8])
 
 
@@ -172,30 +173,34 @@ def checkpoint_then_damage(paths, tmp_path, damage):
     Returns the raised error and what ``resume`` then says; checks that the checkpoint restores.
     """
     tx, params, state = start([paths[0]], host_cache=0)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        params, state = train(tx, params, state, range(2))
-        manager.save(
-            2, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
-        )
-        params, state = train(tx, params, state, [2])
-    damage()
-    with pytest.raises(jax_mlp.RecordError) as raised:
-        train(tx, params, state, [3])
-    tx.close()
+    with tx:
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            params, state = train(tx, params, state, range(2))
+            manager.save(
+                2, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+            )
+            params, state = train(tx, params, state, [2])
+        damage()
+        with pytest.raises(jax_mlp.RecordError) as raised:
+            train(tx, params, state, [3])
     # Update 3 had already overwritten step 2 of other subgroups: no step is complete in the tiers.
-    with pytest.raises(jax_mlp.RecordError, match=r"no step has a complete.*restore from a checkpoint"):
-        jax_mlp.mlp_offload(INNER, paths=[paths[0]], resume=True, **OPTIONS).init(abstract(params))
+    with (
+        pytest.raises(jax_mlp.RecordError, match=r"no step has a complete.*restore from a checkpoint"),
+        jax_mlp.mlp_offload(INNER, paths=[paths[0]], resume=True, **OPTIONS) as resumed,
+    ):
+        resumed.init(abstract(params))
     return raised.value
 
 
 def restore_and_finish(tmp_path, directory, reference):
-    fresh = jax_mlp.mlp_offload(INNER, paths=[directory], **OPTIONS)
-    like = abstract(reference[0])
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        args = ocp.args.Composite(params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(fresh, like))
-        restored = manager.restore(2, args=args)
-    params, _ = train(fresh, restored["params"], restored["opt_state"], range(2, 8))
-    fresh.close()
+    with jax_mlp.mlp_offload(INNER, paths=[directory], **OPTIONS) as fresh:
+        like = abstract(reference[0])
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            args = ocp.args.Composite(
+                params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(fresh, like)
+            )
+            restored = manager.restore(2, args=args)
+        params, _ = train(fresh, restored["params"], restored["opt_state"], range(2, 8))
     return params
 
 
@@ -211,9 +216,8 @@ def test_a_truncated_record_is_named_and_the_last_checkpoint_restores(paths, ref
 
 
 def test_a_record_of_another_run_is_caught_by_the_layout_hash(paths, reference, tmp_path):
-    other = jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[paths[2]], **{**OPTIONS, "host_cache": 0})
-    other.init(make_params(dtype=jnp.bfloat16))  # records of the same sizes, of another optimizer
-    other.close()
+    with jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[paths[2]], **{**OPTIONS, "host_cache": 0}) as other:
+        other.init(make_params(dtype=jnp.bfloat16))  # records of the same sizes, of another optimizer
     own = record_dir(paths[0], 1, 3 % 2)
 
     def replace():
@@ -228,9 +232,9 @@ def test_a_record_of_another_run_is_caught_by_the_layout_hash(paths, reference, 
 def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference):
     """Closed tiers hold two complete steps; a record of the newer one shorter than its header says is skipped."""
     tx, params, state = start([paths[0]], host_cache=0)
-    train(tx, params, state, range(3))
-    layout_hash = tx.offloader.plan.layout_hash
-    tx.close()
+    with tx:
+        train(tx, params, state, range(3))
+        layout_hash = tx.offloader.plan.layout_hash
     store = open_path(jax_mlp.Path(paths[0]))
     record = store.read(2, 3 % 2)
     shutil.rmtree(record_dir(paths[0], 2, 3 % 2))
@@ -250,8 +254,10 @@ def test_a_path_without_room_for_two_slots_of_its_share_is_refused_at_init_with_
     fill it mid-run. The error comes at init instead, and a second path taking half the share is the remedy."""
     params = {"w": jnp.ones((256, 256), jnp.float32)}  # 512 KiB of adam state in 8 records of 64 KiB
     with tmpfs(tmp_path / "nvme", "1m") as nvme:
-        tx = jax_mlp.mlp_offload(INNER, paths=[nvme], subgroup_size="64KiB")
-        with pytest.raises(jax_mlp.PathError) as refused:
+        with (
+            jax_mlp.mlp_offload(INNER, paths=[nvme], subgroup_size="64KiB") as tx,
+            pytest.raises(jax_mlp.PathError) as refused,
+        ):
             tx.init(params)
         # 8 slots of 64 KiB + 64 B records: 68 KiB of chunk files and 3 blocks of metadata each, twice, + 5%.
         need = 2 * 8 * (69632 + 3 * 4096) * 1.05
@@ -267,12 +273,11 @@ def test_a_path_without_room_for_two_slots_of_its_share_is_refused_at_init_with_
         assert files_under(nvme) == {"proc0000/writer.lock": 0}, "no record, no run.json, no holder: the lock let go"
         assert shutil.disk_usage(nvme).used == 0
         # Given a second path, this one's share halves and fits: the same path is free to take.
-        shared = jax_mlp.mlp_offload(
+        with jax_mlp.mlp_offload(
             INNER, paths=[nvme, tmp_path / "pfs"], subgroup_size="64KiB", placement="round_robin"
-        )
-        _, state = train(shared, params, shared.init(params), range(2))
-        assert int(state.step) == 2
-        shared.close()
+        ) as shared:
+            _, state = train(shared, params, shared.init(params), range(2))
+            assert int(state.step) == 2
 
 
 def disk_bytes(directory):
@@ -284,33 +289,36 @@ def test_the_needed_room_bounds_what_a_path_then_holds(tmp_path):
     """The figure is close to the truth: once updates have filled both slots, the path's run directory
     takes at most what the check asked for, and no less than that without its headroom."""
     tx, params, state = start([tmp_path / "nvme"], host_cache=0)
-    record_bytes = [HEADER_SIZE + subgroup.layout.nbytes for subgroup in tx.offloader.plan.subgroups]
-    train(tx, params, state, range(2))
-    tx.flush()
-    used, need = disk_bytes(tmp_path / "nvme" / "proc0000"), capacity.need(record_bytes)
-    print(f"{len(record_bytes)} records: {used} bytes on disk, {need} asked for by the check")
-    assert need / (1 + capacity.HEADROOM) * 0.95 <= used <= need
-    tx.close()
+    with tx:
+        record_bytes = [HEADER_SIZE + subgroup.layout.nbytes for subgroup in tx.offloader.plan.subgroups]
+        train(tx, params, state, range(2))
+        tx.flush()
+        used, need = disk_bytes(tmp_path / "nvme" / "proc0000"), capacity.need(record_bytes)
+        print(f"{len(record_bytes)} records: {used} bytes on disk, {need} asked for by the check")
+        assert need / (1 + capacity.HEADROOM) * 0.95 <= used <= need
 
 
 def test_paths_on_one_file_system_share_its_free_space(tmp_path):
     """Each half of the share fits on the tmpfs, but not both: the error names both paths."""
     params = {"w": jnp.ones((256, 256), jnp.float32)}
-    with tmpfs(tmp_path / "nvme", "1m") as nvme:
-        tx = jax_mlp.mlp_offload(INNER, paths=[nvme / "a", nvme / "b"], subgroup_size="64KiB", placement="round_robin")
-        with pytest.raises(
+    with (
+        tmpfs(tmp_path / "nvme", "1m") as nvme,
+        jax_mlp.mlp_offload(
+            INNER, paths=[nvme / "a", nvme / "b"], subgroup_size="64KiB", placement="round_robin"
+        ) as tx,
+        pytest.raises(
             jax_mlp.PathError,
             match=rf"paths {nvme}/a: 672\.0 KiB for 4 records, {nvme}/b: 672\.0 KiB for 4 records share one file "
             r"system, which has 1016\.0 KiB free, but they need 1\.3 MiB: two slots .* or give one of them a smaller share",
-        ):
-            tx.init(params)
+        ),
+    ):
+        tx.init(params)
 
 
 def test_an_init_refused_for_room_can_be_retried_with_another_tree(tmp_path):
     """A failed init keeps nothing of its plan: retried with other params, the offload trains those exactly."""
     inner = optax.adam(1e-2)
-    with tmpfs(tmp_path / "nvme", "1m") as nvme:
-        tx = jax_mlp.mlp_offload(inner, paths=[nvme], subgroup_size="64KiB")
+    with tmpfs(tmp_path / "nvme", "1m") as nvme, jax_mlp.mlp_offload(inner, paths=[nvme], subgroup_size="64KiB") as tx:
         too_big = {"w": jnp.ones((512, 256), jnp.float32)}  # 1 MiB of adam state: more than the tmpfs holds
         with pytest.raises(
             jax_mlp.PathError, match=rf"path {nvme} has 1020\.0 KiB free, but its share of 16 records needs 2\.6 MiB"
@@ -318,6 +326,5 @@ def test_an_init_refused_for_room_can_be_retried_with_another_tree(tmp_path):
             tx.init(too_big)
         params = make_params()
         params, _ = train(tx, params, tx.init(params), range(3))
-        tx.close()
     expected, _ = train(inner, make_params(), inner.init(make_params()), range(3))
     assert_close_to_optax(params, expected)

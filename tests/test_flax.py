@@ -6,6 +6,7 @@ types it went in (``nnx.Param``, ``FrozenDict``, custom pytree nodes), as plain 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -57,11 +58,10 @@ def train(tx, steps: int = 12, *, update_in_jit: bool = False):
 
 def test_nnx_optimizer_matches_plain_optax(tmp_path):
     inner = optax.adamw(1e-2, weight_decay=0.1)
-    offload = jax_mlp.mlp_offload(inner, paths=[tmp_path / "tier"], subgroup_size="2KiB", host_cache="4KiB")
-    got = train(optax.chain(optax.clip_by_global_norm(1.0), offload))
-    assert len(offload.offloader.plan.subgroups) >= 3
-    assert offload.stats.step == 12
-    offload.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "tier"], subgroup_size="2KiB", host_cache="4KiB") as offload:
+        got = train(optax.chain(optax.clip_by_global_norm(1.0), offload))
+        assert len(offload.offloader.plan.subgroups) >= 3
+        assert offload.stats.step == 12
     expected = train(optax.chain(optax.clip_by_global_norm(1.0), inner))
     assert_close_to_optax(jax.tree.leaves(got), jax.tree.leaves(expected))
 
@@ -70,27 +70,28 @@ def test_nnx_optimizer_accumulates_like_multisteps(tmp_path):
     inner = optax.adamw(1e-2, weight_decay=0.1)
     clip = optax.clip_by_global_norm(1.0)
     expected = train(optax.chain(clip, optax.MultiSteps(inner, every_k_schedule=3)))
-    offload = jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="2KiB", accumulate_steps=3)
-    got = train(optax.chain(clip, offload))
-    assert offload.offloader.step == 4
-    offload.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="2KiB", accumulate_steps=3) as offload:
+        got = train(optax.chain(clip, offload))
+        assert offload.offloader.step == 4
     assert_close_to_optax(jax.tree.leaves(got), jax.tree.leaves(expected))
 
 
 def test_fused_apply_on_an_nnx_model_matches_plain_optax(tmp_path):
     """``apply_to`` behind a global clip run by hand: the chain's math, the params replaced in place."""
-    offload = jax_mlp.mlp_offload(optax.adamw(1e-2, weight_decay=0.1), paths=[tmp_path / "tier"], subgroup_size="2KiB")
-    clip = optax.clip_by_global_norm(1.0)
-    model = MLP(nnx.Rngs(0))
-    x = jax.random.normal(jax.random.PRNGKey(1), (32, 8))
-    y = jnp.sum(jnp.sin(x), axis=1, keepdims=True)
-    grads_of = nnx.jit(lambda model: nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model))
-    clip_state, opt_state = clip.init(nnx.state(model, nnx.Param)), offload.init(nnx.state(model, nnx.Param))
-    for _ in range(12):
-        grads, clip_state = clip.update(grads_of(model), clip_state)
-        opt_state = offload.apply_to(model, grads, opt_state)
-    assert int(opt_state.step) == 12 and len(offload.offloader.plan.subgroups) >= 3
-    offload.close(delete=True)
+    with jax_mlp.mlp_offload(
+        optax.adamw(1e-2, weight_decay=0.1), paths=[tmp_path / "tier"], subgroup_size="2KiB"
+    ) as offload:
+        clip = optax.clip_by_global_norm(1.0)
+        model = MLP(nnx.Rngs(0))
+        x = jax.random.normal(jax.random.PRNGKey(1), (32, 8))
+        y = jnp.sum(jnp.sin(x), axis=1, keepdims=True)
+        grads_of = nnx.jit(lambda model: nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model))
+        clip_state, opt_state = clip.init(nnx.state(model, nnx.Param)), offload.init(nnx.state(model, nnx.Param))
+        for _ in range(12):
+            grads, clip_state = clip.update(grads_of(model), clip_state)
+            opt_state = offload.apply_to(model, grads, opt_state)
+        assert int(opt_state.step) == 12 and len(offload.offloader.plan.subgroups) >= 3
+        offload.close(delete=True)
     expected = train(optax.chain(clip, optax.adamw(1e-2, weight_decay=0.1)))
     assert_close_to_optax(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(expected))
 
@@ -170,15 +171,17 @@ def test_nnx_split_train_state_with_a_param_tree_mask_matches_plain_optax(tmp_pa
     def adamw(params):
         return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask_of(params))
 
-    offloads = []
+    with contextlib.ExitStack() as made:
+        offloads = []
 
-    def offload(params):
-        offloads.append(jax_mlp.mlp_offload(adamw(params), paths=[tmp_path], subgroup_size="512B"))
-        return offloads[0]
+        def offload(params):
+            offloads.append(
+                made.enter_context(jax_mlp.mlp_offload(adamw(params), paths=[tmp_path], subgroup_size="512B"))
+            )
+            return offloads[0]
 
-    start, got = train_split(offload, in_jit=in_jit)
-    assert int(got.opt_state.step) == 6 and len(offloads[0].offloader.plan.subgroups) >= 3
-    offloads[0].close()
+        start, got = train_split(offload, in_jit=in_jit)
+        assert int(got.opt_state.step) == 6 and len(offloads[0].offloader.plan.subgroups) >= 3
     _, expected = train_split(adamw, in_jit=in_jit)
     assert isinstance(got.params["linear1"]["kernel"], nnx.Param)
     assert int(got.counts["count"][...]) == 6
@@ -230,10 +233,9 @@ def train_cnn(tx, steps: int = 5, *, in_jit: bool):
 
 @pytest.mark.parametrize("in_jit", [False, True], ids=["eager", "nnx_jit"])
 def test_nnx_optimizer_cnn_matches_plain_optax(tmp_path, in_jit):
-    offload = jax_mlp.mlp_offload(optax.adamw(1e-2, weight_decay=0.1), paths=[tmp_path], subgroup_size="1KiB")
-    start, got = train_cnn(offload, in_jit=in_jit)
-    assert offload.offloader.step == 5 and len(offload.offloader.plan.subgroups) >= 3
-    offload.close()
+    with jax_mlp.mlp_offload(optax.adamw(1e-2, weight_decay=0.1), paths=[tmp_path], subgroup_size="1KiB") as offload:
+        start, got = train_cnn(offload, in_jit=in_jit)
+        assert offload.offloader.step == 5 and len(offload.offloader.plan.subgroups) >= 3
     _, expected = train_cnn(optax.adamw(1e-2, weight_decay=0.1), in_jit=in_jit)
     assert_matches_optax(got, expected, start)
 
@@ -262,12 +264,11 @@ def test_updates_and_applied_params_keep_the_tree_given(tmp_path, kind):
     grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
     inner = optax.adam(1e-2)
     expected, _ = inner.update(grads, inner.init(params), params)
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="128B")
-    state = tx.init(params)
-    eager, state = tx.update(grads, state, params)
-    jitted, state = jax.jit(tx.update)(grads, state, params)
-    applied, _ = tx.apply(jax.tree.map(jnp.copy, grads), state, jax.tree.map(jnp.copy, params))
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="128B") as tx:
+        state = tx.init(params)
+        eager, state = tx.update(grads, state, params)
+        jitted, state = jax.jit(tx.update)(grads, state, params)
+        applied, _ = tx.apply(jax.tree.map(jnp.copy, grads), state, jax.tree.map(jnp.copy, params))
     for tree in (eager, jitted, applied):
         assert jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(params)
     for a, e in zip(jax.tree.leaves(eager), jax.tree.leaves(expected), strict=True):
@@ -279,24 +280,22 @@ def test_a_checkpoint_of_nnx_params_restores_into_plain_optax_and_a_new_offload(
     params = nnx.state(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), nnx.Param)
     grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
     inner = optax.adam(1e-2)
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a"], subgroup_size="128B")
-    _, state = tx.update(grads, tx.init(params), params)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(1, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "a"], subgroup_size="128B") as tx:
+        _, state = tx.update(grads, tx.init(params), params)
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            manager.save(1, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     expected = inner.update(grads, inner.init(params), params)[1]
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:  # a manager per restore: orbax binds its handler
         layout = ocp.args.StandardRestore(jax_mlp.standard_layout(inner, like))
         plain = manager.restore(1, args=ocp.args.Composite(opt_state=layout))["opt_state"]
-    resumed = jax_mlp.mlp_offload(inner, paths=[tmp_path / "b"], subgroup_size="128B")
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        state = manager.restore(1, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(resumed, like)))
-    assert jax.tree_util.tree_structure(plain) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(jax.tree.leaves(plain), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(a, e)
-    updates, _ = resumed.update(grads, state["opt_state"], params)
-    resumed.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "b"], subgroup_size="128B") as resumed:
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            state = manager.restore(1, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(resumed, like)))
+        assert jax.tree_util.tree_structure(plain) == jax.tree_util.tree_structure(expected)
+        for a, e in zip(jax.tree.leaves(plain), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, e)
+        updates, _ = resumed.update(grads, state["opt_state"], params)
     assert isinstance(updates["kernel"], nnx.Param) and int(state["opt_state"].step) == 1
 
 
@@ -333,9 +332,8 @@ def train_linen(tx, steps: int = 5, *, in_jit: bool):
 @pytest.mark.parametrize("in_jit", [False, True], ids=["eager", "jit"])
 def test_linen_train_state_matches_plain_optax(tmp_path, in_jit):
     inner = optax.adamw(1e-2, weight_decay=0.1)
-    offload = jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="512B")
-    start, got = train_linen(offload, in_jit=in_jit)
-    assert int(got.opt_state.step) == 5 and len(offload.offloader.plan.subgroups) >= 3
-    offload.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="512B") as offload:
+        start, got = train_linen(offload, in_jit=in_jit)
+        assert int(got.opt_state.step) == 5 and len(offload.offloader.plan.subgroups) >= 3
     _, expected = train_linen(inner, in_jit=in_jit)
     assert_matches_optax(got.params, expected.params, start)

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from conftest import grads_at, make_params, train
-from helpers import EXACT_BOUND, assert_close_to_optax
+from helpers import EXACT_BOUND, assert_close_to_optax, grads_at, make_params, train
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,7 +35,7 @@ CHILD = textwrap.dedent(
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]), heartbeat_timeout_seconds=30)
     import optax, orbax.checkpoint as ocp, jax_mlp
     from jax.sharding import Mesh, NamedSharding
-    from conftest import grads_at, make_params
+    from helpers import grads_at, make_params
     from test_multiprocess import spec_of
 
     # The first 4 devices of each process; in "jit" mode each has a fifth, for the in-jit update.
@@ -220,13 +219,14 @@ def test_two_processes_save_a_sharded_checkpoint_that_restores_in_two_processes_
         make_params(),
     )
     inner = optax.adamw(1e-2, weight_decay=0.1)
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "one"], subgroup_size="12KiB")
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        restored = manager.restore(
-            4,
-            args=ocp.args.Composite(params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)),
-        )
-    assert any(p.shard is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
-    params, _ = train(tx, restored["params"], restored["opt_state"], range(4, 10))
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "one"], subgroup_size="12KiB") as tx:
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            restored = manager.restore(
+                4,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)
+                ),
+            )
+        assert any(p.shard is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
+        params, _ = train(tx, restored["params"], restored["opt_state"], range(4, 10))
     assert_close_to_optax(jax.tree.leaves(params), single_process_optax(None))

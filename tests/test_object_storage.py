@@ -1,4 +1,5 @@
-"""Object storage as a path: S3 (moto's server) and GCS (fake-gcs-server), real servers on 127.0.0.1.
+"""Object storage as a path: S3 (moto's server) and GCS (fake-gcs-server), real servers on 127.0.0.1; and any
+tensorstore kvstore as a path (the in-memory one).
 
 The servers are started by the fixtures below and stopped at the end of the module. moto accepts
 unconditional writes without the conditional puts S3 offers, so nothing here proves a store's atomicity:
@@ -22,8 +23,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
-from conftest import abstract, make_params, run_offload, run_optax, train
-from helpers import assert_close_to_optax, assert_same_bits
+from helpers import abstract, assert_close_to_optax, assert_same_bits, make_params, run_offload, run_optax, train
 from object_stores import S3_KEYS, FakeGcs, MotoS3
 
 import jax_mlp
@@ -95,6 +95,18 @@ def test_retries_add_up_to_at_most_the_store_timeout():
         assert sum(waits) + min(first * 2 ** len(waits) + first, longest) > seconds, "as many retries as fit"
 
 
+def test_a_path_can_be_any_tensorstore_kvstore(paths):
+    """A kvstore spec (here tensorstore's in-memory store) works like a directory, bit for bit."""
+    params = make_params()
+    memory = {"driver": "memory", "path": "run1"}
+    got, stats = run_offload(optax.adam(1e-2), params, 3, [memory, paths[0]], subgroup_size="16KiB")
+    assert stats.bytes_read["memory://run1/"] > 0
+    expected = run_offload(optax.adam(1e-2), params, 3, [paths[1]], subgroup_size="16KiB")[0]
+    assert_same_bits(got, expected)
+    with pytest.raises(jax_mlp.OffloadError, match="needs a 'driver'"):
+        jax_mlp.mlp_offload(optax.adam(1e-2), paths=[{"path": "x"}])
+
+
 def test_local_plus_s3_and_gcs_alone_match_optax_and_the_local_run_bitwise(s3, gcs, tmp_path):
     params = make_params()
     options = {"subgroup_size": SUBGROUP, "placement": "round_robin", "rebalance": False}
@@ -119,25 +131,27 @@ def test_the_scheduler_gives_a_slower_store_a_smaller_share(s3, tmp_path):
         jax_mlp.Path(tmp_path / "nvme", read_bandwidth="1GB/s", write_bandwidth="1GB/s"),
         jax_mlp.Path(s3.spec("bkt", "share"), read_bandwidth="200MB/s", write_bandwidth="200MB/s"),
     ]
-    tx = jax_mlp.mlp_offload(INNER, paths=paths, subgroup_size="8KiB", rebalance=False)
-    tx.init(params)
-    placement = tx.stats.placement
-    tx.close(delete=True)
+    with jax_mlp.mlp_offload(INNER, paths=paths, subgroup_size="8KiB", rebalance=False) as tx:
+        tx.init(params)
+        placement = tx.stats.placement
+        tx.close(delete=True)
     assert 0 < placement["s3://bkt/share/"] < placement[str(tmp_path / "nvme")], placement
 
 
 def test_a_wrong_bucket_or_refused_credentials_fail_at_init_naming_the_url(s3, gcs):
     params = make_params()
     for path, url in ((s3.spec("nosuch", "run"), "s3://nosuch/run/"), ("gs://nosuch/run", "gs://nosuch/run/")):
-        tx = jax_mlp.mlp_offload(INNER, paths=[path], store_timeout=STORE_TIMEOUT)
-        with pytest.raises(jax_mlp.PathError, match=rf"{url}.*the bucket does not exist.*create it"):
+        with (
+            jax_mlp.mlp_offload(INNER, paths=[path], store_timeout=STORE_TIMEOUT) as tx,
+            pytest.raises(jax_mlp.PathError, match=rf"{url}.*the bucket does not exist.*create it"),
+        ):
             tx.init(params)
     checked = MotoS3(checked_after=1).start()  # the bucket's creation passes; every later request is checked
     try:
         checked.create_bucket("bkt")
-        tx = jax_mlp.mlp_offload(INNER, paths=[checked.spec("bkt", "run")], store_timeout=STORE_TIMEOUT)
-        with pytest.raises(
-            jax_mlp.PathError, match=r"s3://bkt/run/ at http://127\.0\.0\.1:\d+ refused the credentials"
+        with (
+            jax_mlp.mlp_offload(INNER, paths=[checked.spec("bkt", "run")], store_timeout=STORE_TIMEOUT) as tx,
+            pytest.raises(jax_mlp.PathError, match=r"s3://bkt/run/ at http://127\.0\.0\.1:\d+ refused the credentials"),
         ):
             tx.init(params)
     finally:
@@ -152,16 +166,16 @@ def test_an_s3_server_killed_between_updates_fails_the_next_update_in_bounded_ti
             for name, value in S3_KEYS.items():
                 patch.setenv(name, value)
             params = make_params()
-            tx = jax_mlp.mlp_offload(
+            with jax_mlp.mlp_offload(
                 INNER, paths=[server.spec("bkt", "outage")], subgroup_size=SUBGROUP, store_timeout=STORE_TIMEOUT
-            )
-            params, state = train(tx, params, tx.init(params), range(2))
-            server.kill()
-            started = time.monotonic()
-            with pytest.raises(jax_mlp.PathError, match=r"s3://bkt/outage/.* is unreachable .*store_timeout=2s"):
-                train(tx, params, state, [2])
-            assert time.monotonic() - started < OUTAGE_BOUND
-            assert tx.offloader.step == 2, "a failed update changes nothing visible"
+            ) as tx:
+                params, state = train(tx, params, tx.init(params), range(2))
+                server.kill()
+                started = time.monotonic()
+                with pytest.raises(jax_mlp.PathError, match=r"s3://bkt/outage/.* is unreachable .*store_timeout=2s"):
+                    train(tx, params, state, [2])
+                assert time.monotonic() - started < OUTAGE_BOUND
+                assert tx.offloader.step == 2, "a failed update changes nothing visible"
     finally:
         server.stop()
 
@@ -177,18 +191,17 @@ def test_a_hung_s3_server_is_bounded_by_io_timeout_and_the_update_can_be_retried
         server.create_bucket("bkt")
         params = make_params()
         options = {"subgroup_size": SUBGROUP, "store_timeout": STORE_TIMEOUT, "io_timeout": 3.0}
-        tx = jax_mlp.mlp_offload(INNER, paths=[server.spec("bkt", "hung")], **options)
-        params, state = train(tx, params, tx.init(params), range(2))
-        server.process.send_signal(signal.SIGSTOP)
-        started = time.monotonic()
-        with pytest.raises(
-            jax_mlp.OffloadError, match=r"subgroup \d+ \(on s3://bkt/hung/\).*did not finish within io_timeout=3s"
-        ):
-            train(tx, params, state, [2])
-        assert time.monotonic() - started < OUTAGE_BOUND
-        server.process.send_signal(signal.SIGCONT)
-        got, _ = train(tx, params, state, [2])
-        tx.close()
+        with jax_mlp.mlp_offload(INNER, paths=[server.spec("bkt", "hung")], **options) as tx:
+            params, state = train(tx, params, tx.init(params), range(2))
+            server.process.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(
+                jax_mlp.OffloadError, match=r"subgroup \d+ \(on s3://bkt/hung/\).*did not finish within io_timeout=3s"
+            ):
+                train(tx, params, state, [2])
+            assert time.monotonic() - started < OUTAGE_BOUND
+            server.process.send_signal(signal.SIGCONT)
+            got, _ = train(tx, params, state, [2])
         start = make_params()
         assert_close_to_optax(got, run_optax(INNER, start, 3, jit=False), start, what="retried after the hang")
     finally:
@@ -236,31 +249,30 @@ def test_a_gcs_server_killed_during_an_update_keeps_the_last_step_restorable_onc
     stay on disk, and once it is back a resumed run takes up the last complete step and goes on, bit for bit."""
     params = make_params()
     options = {"subgroup_size": SUBGROUP, "store_timeout": STORE_TIMEOUT}
-    tx = jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/outage"], **options)
-    state = tx.init(params)
-    got, state = train(tx, params, state, range(2))
-    write, writes = PathStore.write, []
+    with jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/outage"], **options) as tx:
+        state = tx.init(params)
+        got, state = train(tx, params, state, range(2))
+        write, writes = PathStore.write, []
 
-    def die_at_the_second_write(store, *args):
-        writes.append(args[0])
-        if len(writes) == 2:
-            gcs.kill()
-        return write(store, *args)
+        def die_at_the_second_write(store, *args):
+            writes.append(args[0])
+            if len(writes) == 2:
+                gcs.kill()
+            return write(store, *args)
 
-    monkeypatch.setattr(PathStore, "write", die_at_the_second_write)
-    started = time.monotonic()
-    with pytest.raises(jax_mlp.PathError, match=r"gs://gbkt/outage/.* is unreachable"):
-        train(tx, got, state, [2])
-    assert time.monotonic() - started < OUTAGE_BOUND
-    assert len(writes) >= 2 and tx.offloader.step == 2
-    monkeypatch.setattr(PathStore, "write", write)
-    gcs.start()
-    tx.close()
-    resumed = jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/outage"], resume=True, **options)
-    state = resumed.init(abstract(params))
-    assert int(state.step) == 2
-    final, _ = train(resumed, got, state, [2, 3])
-    resumed.close(delete=True)
+        monkeypatch.setattr(PathStore, "write", die_at_the_second_write)
+        started = time.monotonic()
+        with pytest.raises(jax_mlp.PathError, match=r"gs://gbkt/outage/.* is unreachable"):
+            train(tx, got, state, [2])
+        assert time.monotonic() - started < OUTAGE_BOUND
+        assert len(writes) >= 2 and tx.offloader.step == 2
+        monkeypatch.setattr(PathStore, "write", write)
+        gcs.start()
+    with jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/outage"], resume=True, **options) as resumed:
+        state = resumed.init(abstract(params))
+        assert int(state.step) == 2
+        final, _ = train(resumed, got, state, [2, 3])
+        resumed.close(delete=True)
     assert_same_bits(final, run_offload(INNER, params, 4, ["gs://gbkt/reference"], subgroup_size=SUBGROUP)[0])
     assert_close_to_optax(final, run_optax(INNER, params, 4, jit=False), params, what="resumed after the outage")
 
@@ -270,20 +282,19 @@ def test_a_torn_record_on_a_store_is_never_taken_for_complete(gcs):
     resume falls back to the step before, and continues bit for bit."""
     params = {"w": jax.random.normal(jax.random.PRNGKey(0), (800, 1024))}  # adam state of 6.25 MiB: 2 chunks
     options = {"subgroup_size": "8MiB"}
-    tx = jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/torn"], **options)
-    got, _ = train(tx, params, tx.init(params), range(3))
-    tx.close()
+    with jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/torn"], **options) as tx:
+        got, _ = train(tx, params, tx.init(params), range(3))
     objects = ts.KvStore.open({"driver": "gcs", "bucket": "gbkt", "path": "torn/proc0000/"}).result()
     chunks = sorted(key.decode() for key in objects.list().result() if b"/c/" in key)
     assert {"sg000000.0/c/1", "sg000000.1/c/1"} <= set(chunks), chunks
     objects.write("sg000000.1/c/1", objects.read("sg000000.0/c/1").result().value).result()  # step 3's head, 2's tail
-    resumed = jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/torn"], resume=True, **options)
-    state = resumed.init(abstract(params))
-    assert int(state.step) == 2
-    expected = run_offload(INNER, params, 3, ["gs://gbkt/torn-reference"], **options)[0]
-    two_steps = run_offload(INNER, params, 2, ["gs://gbkt/torn-two"], **options)[0]
-    final, _ = train(resumed, two_steps, state, [2])
-    resumed.close(delete=True)
+    with jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/torn"], resume=True, **options) as resumed:
+        state = resumed.init(abstract(params))
+        assert int(state.step) == 2
+        expected = run_offload(INNER, params, 3, ["gs://gbkt/torn-reference"], **options)[0]
+        two_steps = run_offload(INNER, params, 2, ["gs://gbkt/torn-two"], **options)[0]
+        final, _ = train(resumed, two_steps, state, [2])
+        resumed.close(delete=True)
     assert_same_bits(final, expected)
     assert not np.array_equal(np.asarray(got["w"]), np.asarray(two_steps["w"]))
 
@@ -291,28 +302,27 @@ def test_a_torn_record_on_a_store_is_never_taken_for_complete(gcs):
 def test_an_orbax_checkpoint_of_an_offload_on_a_store_restores_onto_local_paths(s3, tmp_path):
     params = make_params()
     options = {"subgroup_size": SUBGROUP, "placement": "round_robin", "rebalance": False}
-    tx = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "nvme", s3.spec("bkt", "ckpt")], **options)
-    state = tx.init(params)
-    params, state = train(tx, params, state, range(3))
-    with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
-        manager.save(
-            3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
-        )
-        manager.wait_until_finished()
-    expected, _ = train(tx, params, state, range(3, 5))
-    tx.close(delete=True)
-    local = jax_mlp.mlp_offload(INNER, paths=[tmp_path / "restored"], **options)
-    like = abstract(params)
-    with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
-        restored = manager.restore(
-            3,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(local, like)
-            ),
-        )
-    assert int(restored["opt_state"].step) == 3
-    got, _ = train(local, restored["params"], restored["opt_state"], range(3, 5))
-    local.close()
+    with jax_mlp.mlp_offload(INNER, paths=[tmp_path / "nvme", s3.spec("bkt", "ckpt")], **options) as tx:
+        state = tx.init(params)
+        params, state = train(tx, params, state, range(3))
+        with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
+            manager.save(
+                3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+            )
+            manager.wait_until_finished()
+        expected, _ = train(tx, params, state, range(3, 5))
+        tx.close(delete=True)
+    with jax_mlp.mlp_offload(INNER, paths=[tmp_path / "restored"], **options) as local:
+        like = abstract(params)
+        with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
+            restored = manager.restore(
+                3,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(local, like)
+                ),
+            )
+        assert int(restored["opt_state"].step) == 3
+        got, _ = train(local, restored["params"], restored["opt_state"], range(3, 5))
     assert_same_bits(got, expected, "restored onto a local directory against the run on the store")
 
 

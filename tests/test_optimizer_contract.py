@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import scale_by_global_norm
-from helpers import assert_close_to_optax
+from helpers import assert_close_to_optax, scale_by_global_norm
 
 import jax_mlp
 from jax_mlp._src.plan import partition
@@ -151,10 +150,9 @@ ROW_COUPLED = {
 def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_path):
     params, loss = _problem()
     options = {"host_cache": 0, "subgroup_size": WHOLE_LEAF_SIZE}
-    tx = jax_mlp.mlp_offload(ROW_COUPLED[name](), paths=tmp_path, **options)
-    with pytest.warns(UserWarning, match=r"param \['big'\] is kept whole in subgroup \d+"):
-        state = tx.init(params)
-    with tx:
+    with jax_mlp.mlp_offload(ROW_COUPLED[name](), paths=tmp_path, **options) as tx:
+        with pytest.warns(UserWarning, match=r"param \['big'\] is kept whole in subgroup \d+"):
+            state = tx.init(params)
         plan = tx.offloader.plan
         big = next(i for i, leaf in enumerate(plan.leaves) if leaf.path == "['big']")
         (subgroup,) = [sg for sg in plan.subgroups if any(p.leaf == big for p in sg.pieces)]
@@ -169,8 +167,10 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
 
 def test_a_planted_global_norm_transformation_is_refused_by_name_before_anything_is_written(tmp_path):
     params, _ = _problem()
-    tx = jax_mlp.mlp_offload(optax.chain(optax.adam(1e-2), scale_by_global_norm()), paths=tmp_path)
-    with pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*conftest\.py"):
+    with (
+        jax_mlp.mlp_offload(optax.chain(optax.adam(1e-2), scale_by_global_norm()), paths=tmp_path) as tx,
+        pytest.raises(jax_mlp.CoupledOptimizerError, match=r"scale_by_global_norm \(.*helpers\.py"),
+    ):
         tx.init(params)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 

@@ -1,4 +1,6 @@
-"""Properties of the plan, on tree shapes drawn by hypothesis (shapes only: nothing is computed)."""
+"""``plan/partition.py``: properties of the plan, on tree shapes drawn by hypothesis (shapes only: nothing is
+computed).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_mlp._src.plan import partition
-from jax_mlp._src.storage import record
 
 shapes = st.lists(st.integers(1, 40), min_size=0, max_size=3).map(tuple)
 trees = st.recursive(
@@ -58,22 +59,3 @@ def test_the_layout_hash_depends_on_the_plan():
     assert partition.make_plan(tree, inner, 2048).layout_hash != base
     assert partition.make_plan(tree, inner, 4096, np.dtype(np.float32)).layout_hash != base
     assert partition.make_plan(tree, optax.sgd(1e-3), 4096).layout_hash != base
-
-
-def test_pack_and_unpack_round_trip():
-    tree = {"w": jax.ShapeDtypeStruct((5, 3), np.float32), "s": jax.ShapeDtypeStruct((), np.float32)}
-    plan = partition.make_plan(tree, optax.adam(1e-3), 1 << 20)
-    layout = plan.subgroups[0].layout
-    values = [
-        np.arange(np.prod(f.shape), dtype=f.dtype).reshape(f.shape) + i for i, f in enumerate(layout.state_fields)
-    ]
-    payload = np.zeros(layout.nbytes, np.uint8)
-    record.pack(layout, values, [], payload)
-    state, master = record.unpack(layout, payload)
-    assert master == []
-    for got, want in zip(state, values, strict=True):
-        np.testing.assert_array_equal(got, want)
-    # A reused buffer full of old bytes packs to the same payload: every byte, gaps too, is written.
-    reused = np.full(layout.nbytes, 0xFF, np.uint8)
-    record.pack(layout, values, [], reused)
-    np.testing.assert_array_equal(reused, payload)

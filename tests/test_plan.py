@@ -1,4 +1,6 @@
-"""``jax-mlp plan`` sizes a whole run, never crashes, and starts from the library's own defaults."""
+"""``cli/plan.py`` with ``cli/sizing.py``, ``cli/plan_tables.py`` and ``cli/speeds.py``: ``jax-mlp plan`` sizes a whole
+run, never crashes, and starts from the library's own defaults.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The public face (``jax_mlp``, ``jax_mlp.quantized``, ``jax_mlp.report``) and the flat layout's paths, deprecated."""
+"""``jax_mlp/__init__.py`` and ``deprecated.py``: the public face (``jax_mlp``, ``jax_mlp.quantized``,
+``jax_mlp.report``) and the flat layout's paths, deprecated.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""quantized_state: compressed moments in memory and offloaded, fewer bytes per update, training quality."""
+"""``quantized.py``: quantized_state, compressed moments in memory and offloaded, fewer bytes per update, training
+quality.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import grads_at, make_params, run_offload, run_optax
-from helpers import LOW_PRECISION_STATE_BOUND, assert_close_to_optax, assert_same_bits, load_module
+from helpers import (
+    LOW_PRECISION_STATE_BOUND,
+    abstract,
+    assert_close_to_optax,
+    assert_same_bits,
+    grads_at,
+    load_module,
+    make_params,
+    run_offload,
+    run_optax,
+    train,
+)
 
 import jax_mlp
 from jax_mlp._src import quantized
@@ -213,13 +225,12 @@ def test_offloaded_equals_in_memory_and_bits_independent_of_tiering(name, paths)
 
 def _bytes_read_per_param(inner, params, tmp_path, **options) -> tuple[float, float]:
     """Bytes read from the path by one update with no host cache, and the plan's state bytes, per param."""
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="256KiB", host_cache=0, **options)
-    state = tx.init(params)
-    for step in range(2):
-        _, state = tx.update(grads_at(params, step), state, params)
-    n = sum(x.size for x in jax.tree.leaves(params))
-    read, planned = sum(tx.stats.bytes_read.values()) / n, tx.offloader.plan.state_nbytes / n
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="256KiB", host_cache=0, **options) as tx:
+        state = tx.init(params)
+        for step in range(2):
+            _, state = tx.update(grads_at(params, step), state, params)
+        n = sum(x.size for x in jax.tree.leaves(params))
+        read, planned = sum(tx.stats.bytes_read.values()) / n, tx.offloader.plan.state_nbytes / n
     return read, planned
 
 
@@ -258,30 +269,27 @@ def test_int8_adam_trains_a_small_language_model_as_well_as_fp32():
 def test_a_checkpoint_of_int8_state_restores_into_another_plan_and_into_memory(tmp_path):
     """The packed codes of a split leaf are row ranges, so the standard layout holds them like any moment."""
     import orbax.checkpoint as ocp
-    from conftest import abstract, train
 
     inner = CODECS["int8"]()
     params = make_params()
     like = abstract(params)
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a"], subgroup_size=SUBGROUP, host_cache=0)
-    state = tx.init(params)
-    params, state = train(tx, params, state, range(5))
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(5, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
-    expected, _ = train(tx, params, state, range(5, 10))
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "a"], subgroup_size=SUBGROUP, host_cache=0) as tx:
+        state = tx.init(params)
+        params, state = train(tx, params, state, range(5))
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            manager.save(5, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
+        expected, _ = train(tx, params, state, range(5, 10))
 
-    other = jax_mlp.mlp_offload(inner, paths=[tmp_path / "b"], subgroup_size="8KiB")
     layout = jax_mlp.standard_layout(inner, like)
 
     def restore(args):
         with ocp.CheckpointManager(tmp_path / "ckpt") as manager:  # a fresh one: orbax binds an item to a handler
             return manager.restore(5, args=ocp.args.Composite(opt_state=args))["opt_state"]
 
-    restored, plain = restore(jax_mlp.OffloadRestore(other, like)), restore(ocp.args.StandardRestore(layout))
-    assert plain.inner[0].nu["big"].dtype == jnp.uint8
-    other_plan, _ = train(other, params, restored, range(5, 10))
-    other.close()
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "b"], subgroup_size="8KiB") as other:
+        restored, plain = restore(jax_mlp.OffloadRestore(other, like)), restore(ocp.args.StandardRestore(layout))
+        assert plain.inner[0].nu["big"].dtype == jnp.uint8
+        other_plan, _ = train(other, params, restored, range(5, 10))
     in_memory, _ = train(inner, params, plain, range(5, 10))
     for name, result in (("other plan", other_plan), ("in memory", in_memory)):
         assert_close_to_optax(result, expected, bound=LOW_PRECISION_STATE_BOUND, what=name)
@@ -300,7 +308,6 @@ def test_tiers_and_checkpoints_of_the_old_int8_format_are_refused_with_a_clear_e
     import json
 
     import orbax.checkpoint as ocp
-    from conftest import abstract, train
 
     inner, params = CODECS["int8"](), make_params()
     run_offload(inner, params, 2, [tmp_path / "run"], subgroup_size=SUBGROUP)
@@ -308,16 +315,18 @@ def test_tiers_and_checkpoints_of_the_old_int8_format_are_refused_with_a_clear_e
     identity = json.loads(run_file.read_text())
     assert identity["int8_format"] == quantized.INT8_FORMAT
     run_file.write_text(json.dumps({k: v for k, v in identity.items() if k != "int8_format"}))  # as format 1 wrote it
-    with pytest.raises(jax_mlp.OffloadError, match=r"int8 state codes are of format 1.*start a new run"):
-        jax_mlp.mlp_offload(inner, paths=[tmp_path / "run"], subgroup_size=SUBGROUP, resume=True).init(params)
+    with (
+        pytest.raises(jax_mlp.OffloadError, match=r"int8 state codes are of format 1.*start a new run"),
+        jax_mlp.mlp_offload(inner, paths=[tmp_path / "run"], subgroup_size=SUBGROUP, resume=True) as resumed,
+    ):
+        resumed.init(params)
     _, state = train(inner, params, inner.init(params), range(2))
     old = jax.tree.map(lambda x: _as_old_format(x) if x.dtype == jnp.uint8 else x, state)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         manager.save(2, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(old)))
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "restored"], subgroup_size=SUBGROUP)
     with (
+        jax_mlp.mlp_offload(inner, paths=[tmp_path / "restored"], subgroup_size=SUBGROUP) as tx,
         ocp.CheckpointManager(tmp_path / "ckpt") as manager,
         pytest.raises(jax_mlp.OffloadError, match=r"checkpoint array .*mu.* holds int8 state codes of an older format"),
     ):
         manager.restore(2, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(params))))
-    tx.close()

@@ -1,4 +1,6 @@
-"""fp32 masters stored as bf16 params plus int16 remainders: the bit arithmetic, then the offload that uses it."""
+"""``plan/remainders.py``: fp32 masters stored as bf16 params plus int16 remainders: the bit arithmetic, then the
+offload that uses it.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import decay_mask, grads_at, make_params
-from helpers import assert_bf16_within_ulp, assert_same_bits, load_module
+from helpers import assert_bf16_within_ulp, assert_same_bits, decay_mask, grads_at, load_module, make_params, train
 
 import jax_mlp
 from jax_mlp._src.plan import remainders
@@ -194,17 +195,11 @@ def _inner():
 
 
 def _train(tx, params, steps, *, route="update", state=None):
-    """``steps`` updates through ``route``: "update" (+ apply_updates), "jit" (update traced) or "apply" (fused)."""
+    """``steps`` updates through ``route`` (the shared ``train``): "update" (+ apply_updates), "jit" (update
+    traced) or "apply" (fused); from ``tx.init`` unless given a state."""
     state = tx.init(params) if state is None else state
-    update = jax.jit(tx.update) if route == "jit" else tx.update
-    for step in steps:
-        grads = grads_at(params, step)
-        if route == "apply":
-            params, state = tx.apply(grads, state, params)
-        else:
-            updates, state = update(grads, state, params)
-            params = optax.apply_updates(params, updates)
-    return params, state
+    update = jax.jit(tx.update) if route == "jit" else None
+    return train(tx, params, state, steps, update=update, apply=route == "apply")
 
 
 def _stored_masters(tx) -> list[np.ndarray]:
@@ -215,16 +210,14 @@ def _stored_masters(tx) -> list[np.ndarray]:
 def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(paths):
     params = make_params(dtype=jnp.bfloat16)
     options = dict(subgroup_size=SUBGROUP, master_dtype=jnp.float32, master_storage="remainder")
-    tx = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "a"], **options)
-    reference, _ = _train(tx, params, range(STEPS))
-    state_bytes = tx.offloader.plan.state_nbytes
-    assert all(m.dtype == np.int16 for m in _stored_masters(tx))
-    tx.close()
-    full = jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "full"], **{**options, "master_storage": "full"})
-    full.init(params)
-    assert full.offloader.plan.state_nbytes > 1.1 * state_bytes  # adam's 8 B + 4 B, against 8 B + 2 B
-    assert all(m.dtype == np.float32 for m in _stored_masters(full))
-    full.close()
+    with jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "a"], **options) as tx:
+        reference, _ = _train(tx, params, range(STEPS))
+        state_bytes = tx.offloader.plan.state_nbytes
+        assert all(m.dtype == np.int16 for m in _stored_masters(tx))
+    with jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "full"], **{**options, "master_storage": "full"}) as full:
+        full.init(params)
+        assert full.offloader.plan.state_nbytes > 1.1 * state_bytes  # adam's 8 B + 4 B, against 8 B + 2 B
+        assert all(m.dtype == np.float32 for m in _stored_masters(full))
 
     variants = {
         "two_paths_part_cache": (dict(paths=[paths[0] / "b", paths[1] / "b"], host_cache=state_bytes // 3), "update"),
@@ -234,9 +227,8 @@ def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(path
         "pinned_transfer": (dict(paths=[paths[2] / "f"], transfer="pinned"), "update"),
     }
     for variant, (where, route) in variants.items():
-        tx = jax_mlp.mlp_offload(_inner(), **where, **options)
-        params_out, _ = _train(tx, jax.tree.map(jnp.copy, params), range(STEPS), route=route)
-        tx.close()
+        with jax_mlp.mlp_offload(_inner(), **where, **options) as tx:
+            params_out, _ = _train(tx, jax.tree.map(jnp.copy, params), range(STEPS), route=route)
         assert_same_bits(params_out, reference, variant)
 
 
@@ -258,15 +250,14 @@ def test_params_changed_between_steps(storage, paths):
     """With remainders the master follows params the user changed (loaded, averaged); a full master
     overrides them at the next update."""
     params = make_params(dtype=jnp.bfloat16)
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         optax.sgd(0.0), paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32, master_storage=storage
-    )
-    state = tx.init(params)
-    params, state = _train(tx, params, range(2), state=state)
-    changed = jax.tree.map(lambda p: (0.5 * p.astype(jnp.float32) + 0.25).astype(jnp.bfloat16), params)
-    updates, state = tx.update(grads_at(changed, 2), state, changed)
-    after = optax.apply_updates(changed, updates)
-    tx.close()
+    ) as tx:
+        state = tx.init(params)
+        params, state = _train(tx, params, range(2), state=state)
+        changed = jax.tree.map(lambda p: (0.5 * p.astype(jnp.float32) + 0.25).astype(jnp.bfloat16), params)
+        updates, state = tx.update(grads_at(changed, 2), state, changed)
+        after = optax.apply_updates(changed, updates)
     if storage == "remainder":
         assert_same_bits(after, changed, "a zero step keeps the params the user set")
     else:
@@ -297,21 +288,21 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
     reference_state = inner.init(master)
     reference_update = jax.jit(inner.update)
     options = dict(subgroup_size="8KiB", host_cache="16KiB", master_dtype=jnp.float32, master_storage="remainder")
-    by_update = jax_mlp.mlp_offload(inner, paths=[tmp_path / "update"], **options)
-    by_apply = jax_mlp.mlp_offload(inner, paths=[tmp_path / "apply"], **options)
-    update_state, apply_state = by_update.init(params), by_apply.init(params)
-    applied = jax.tree.map(jnp.copy, params)
-    for _ in range(args.steps):
-        grads = grads_of(params, *batches.next())
-        updates, update_state = by_update.update(grads, update_state, params)
-        params = optax.apply_updates(params, updates)
-        applied, apply_state = by_apply.apply(jax.tree.map(jnp.copy, grads), apply_state, applied)
-        updates, reference_state = reference_update(
-            jax.tree.map(lambda g: g.astype(jnp.float32), grads), reference_state, master
-        )
-        master = optax.apply_updates(master, updates)
-    by_update.close()
-    by_apply.close()
+    with (
+        jax_mlp.mlp_offload(inner, paths=[tmp_path / "update"], **options) as by_update,
+        jax_mlp.mlp_offload(inner, paths=[tmp_path / "apply"], **options) as by_apply,
+    ):
+        update_state, apply_state = by_update.init(params), by_apply.init(params)
+        applied = jax.tree.map(jnp.copy, params)
+        for _ in range(args.steps):
+            grads = grads_of(params, *batches.next())
+            updates, update_state = by_update.update(grads, update_state, params)
+            params = optax.apply_updates(params, updates)
+            applied, apply_state = by_apply.apply(jax.tree.map(jnp.copy, grads), apply_state, applied)
+            updates, reference_state = reference_update(
+                jax.tree.map(lambda g: g.astype(jnp.float32), grads), reference_state, master
+            )
+            master = optax.apply_updates(master, updates)
     expected = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
     moved = max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
@@ -331,17 +322,18 @@ def test_tiers_of_full_masters_resume_as_full_and_are_refused_as_remainders(path
     ``master_storage="full"``; resuming them as remainders names that difference."""
     params = make_params(dtype=jnp.bfloat16)
     options = dict(paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32)
-    tx = jax_mlp.mlp_offload(_inner(), **options)  # whole masters, the default
-    expected, _ = _train(tx, params, range(3))
-    tx.close()
+    with jax_mlp.mlp_offload(_inner(), **options) as tx:  # whole masters, the default
+        expected, _ = _train(tx, params, range(3))
     run_json = paths[0] / "proc0000" / "run.json"
     identity = json.loads(run_json.read_text())
     assert identity["plan"].pop("master_storage") == "full"
     run_json.write_text(json.dumps(identity))  # as the format before remainders wrote it
-    with pytest.raises(jax_mlp.RecordError, match=r"full masters, this offload's remainder.*master_storage='full'"):
-        jax_mlp.mlp_offload(_inner(), resume=True, master_storage="remainder", **options).init(params)
-    tx = jax_mlp.mlp_offload(_inner(), resume=True, **options)
-    state = tx.init(params)
-    assert int(state.step) == 3
-    assert_same_bits(jax_mlp.restore_params(tx, params), expected)
-    tx.close()
+    with (
+        pytest.raises(jax_mlp.RecordError, match=r"full masters, this offload's remainder.*master_storage='full'"),
+        jax_mlp.mlp_offload(_inner(), resume=True, master_storage="remainder", **options) as refused,
+    ):
+        refused.init(params)
+    with jax_mlp.mlp_offload(_inner(), resume=True, **options) as tx:
+        state = tx.init(params)
+        assert int(state.step) == 3
+        assert_same_bits(jax_mlp.restore_params(tx, params), expected)

@@ -1,4 +1,6 @@
-"""Telemetry: ``log_to`` writes one JSON line per call; ``jax-mlp report`` turns a real log into a PNG."""
+"""``cli/plots.py``, ``cli/report.py`` and the ``StatsLog`` of ``stats.py``: ``log_to`` writes one JSON line per call;
+``jax-mlp report`` turns a real log into a PNG.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 
 import optax
 import pytest
-from conftest import grads_at, make_params
+from helpers import grads_at, make_params, train
 
 import jax_mlp
 from jax_mlp import report
@@ -26,20 +28,16 @@ def run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("telemetry")
     log = directory / "run.jsonl"
     params = make_params()
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         optax.adam(1e-2),
         paths=[directory / "a", directory / "b"],
         subgroup_size="16KiB",
         host_cache="48KiB",
         log_to=log,
-    )
-    state = tx.init(params)
-    for step in range(STEPS):
-        updates, state = tx.update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    num_subgroups = len(tx.offloader.plan.subgroups)
-    paths = tx.stats.paths
-    tx.close()
+    ) as tx:
+        train(tx, params, tx.init(params), range(STEPS))
+        num_subgroups = len(tx.offloader.plan.subgroups)
+        paths = tx.stats.paths
     return log, num_subgroups, paths
 
 
@@ -167,16 +165,14 @@ def test_log_to_restarts_a_fresh_run_appends_on_resume_and_survives_a_failing_ca
     def broken(stats):
         raise RuntimeError("the user's logger is down")
 
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], log_to=log, on_stats=broken)
-    state = tx.init(params)
-    tx.update(grads_at(params, 0), state, params)
-    tx.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], log_to=log, on_stats=broken) as tx:
+        state = tx.init(params)
+        tx.update(grads_at(params, 0), state, params)
     assert [json.loads(text)["step"] for text in log.read_text().splitlines()] == [0, 1]
 
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], log_to=log, resume=True)
-    state = tx.init(params)
-    tx.update(grads_at(params, 1), state, params)
-    tx.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], log_to=log, resume=True) as tx:
+        state = tx.init(params)
+        tx.update(grads_at(params, 1), state, params)
     assert [json.loads(text)["step"] for text in log.read_text().splitlines()] == [0, 1, 2]
 
     with pytest.raises(jax_mlp.OffloadError, match="log_to"):

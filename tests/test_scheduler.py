@@ -1,4 +1,5 @@
-"""Placement, rebalancing, order, idle-time I/O, caps, locks and the performance model."""
+"""Placement, rebalancing and order (schedule/), caps and locks on the paths, the probe, the performance model and the
+``jax-mlp plan`` and ``probe`` commands. The idle-time I/O between updates is in test_idle.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import time
 
 import optax
 import pytest
-from conftest import grads_at, make_params, run_offload, tmpfs
-from helpers import assert_same_bits
+from helpers import assert_same_bits, grads_at, make_params, run_offload, tmpfs, train
 
 import jax_mlp
 from jax_mlp._src.plan import partition
@@ -22,7 +22,7 @@ from jax_mlp._src.schedule.estimates import MIN_SAMPLES, WINDOW
 from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.schedule.scheduler import Scheduler, weighted_interleave
 from jax_mlp._src.stats import format_bytes
-from jax_mlp._src.storage import capacity, record
+from jax_mlp._src.storage import capacity
 from jax_mlp._src.storage.probe import probe
 from jax_mlp._src.storage.record import HEADER_SIZE
 from jax_mlp._src.storage.traffic import Traffic, Usage
@@ -82,52 +82,16 @@ def test_ascending_order_never_hits_a_partial_cache_and_alternating_does(paths):
     third = sum(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups) // 3
     hits = {}
     for order, path in (("ascending", paths[0]), ("alternate", paths[1])):
-        tx = jax_mlp.mlp_offload(
+        with jax_mlp.mlp_offload(
             optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, host_cache=third, order=order, idle_prefetch=False
-        )
-        state = tx.init(params)
-        for step in range(3):
-            _, state = tx.update(grads_at(params, step), state, params)
-        hits[order] = tx.stats.cache_hits
-        tx.close()
+        ) as tx:
+            state = tx.init(params)
+            for step in range(3):
+                _, state = tx.update(grads_at(params, step), state, params)
+            hits[order] = tx.stats.cache_hits
     cached_records = model.critical_records(len(plan.subgroups), 0, alternate=True)[0]
     assert hits["ascending"] == 0
     assert 0 < hits["alternate"] <= cached_records
-
-
-def test_idle_prefetch_reads_the_next_updates_first_records_once(paths):
-    params = make_params()
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, prefetch_depth=3)
-    state = tx.init(params)
-    offloader = tx.offloader
-    assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(0)[:3])
-    record_bytes = sum(HEADER_SIZE + sg.layout.nbytes for sg in offloader.plan.subgroups)
-    for step in range(2):
-        _, state = tx.update(grads_at(params, step), state, params)
-        assert sum(tx.stats.bytes_read.values()) == record_bytes, "prefetched records are not read again"
-        assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(step + 1)[:3])
-    tx.close()
-
-
-def test_lazy_flush_writes_cached_records_only_when_asked(paths, monkeypatch):
-    params = make_params()
-    tx = jax_mlp.mlp_offload(
-        optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, host_cache="8MiB", flush="lazy"
-    )
-    state = tx.init(params)
-    packed = []
-    pack = record.pack
-    monkeypatch.setattr(record, "pack", lambda layout, *args: packed.append(layout) or pack(layout, *args))
-    for step in range(3):
-        _, state = tx.update(grads_at(params, step), state, params)
-        assert sum(tx.stats.bytes_written.values()) == 0
-        assert packed == [], "cached state is kept as arrays, never packed into a record"
-    tx.flush()
-    assert len(packed) == len(tx.offloader.plan.subgroups), "flush packs each subgroup's record once"
-    tx.close()
-    resumed = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True)
-    assert int(resumed.init(params).step) == 3
-    resumed.close()
 
 
 def test_bits_do_not_depend_on_the_mechanisms_or_on_rebalancing_moves(paths):
@@ -141,26 +105,22 @@ def test_bits_do_not_depend_on_the_mechanisms_or_on_rebalancing_moves(paths):
 
     fast = jax_mlp.Path(paths[1] / "fast", max_read="16MB/s", max_write="16MB/s")
     slow = jax_mlp.Path(paths[2] / "slow", max_read="8MB/s", max_write="8MB/s")
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         inner, paths=[fast, slow], subgroup_size=SUBGROUP, host_cache="32KiB", flush="lazy", node_lock=True
-    )
-    state, current = tx.init(params), params
-    for step in range(6):
-        if step == 2:
-            tx.offloader.set_caps(1, max_read="1MB/s", max_write="1MB/s")
-        updates, state = tx.update(grads_at(current, step), state, current)
-        current = optax.apply_updates(current, updates)
-    scheduler = tx.offloader.scheduler
-    assert scheduler.moves > 0 and scheduler.shares[0] > 0.75
-    tx.flush()
-    stored = [
-        {int(name[2:8]) for name in os.listdir(root / "proc0000") if name.startswith("sg")}
-        for root in (paths[1] / "fast", paths[2] / "slow")
-    ]
-    assert not stored[0] & stored[1], "old records are removed"
-    assert stored[0] | stored[1] == set(range(len(scheduler.placement)))
-    assert len(stored[0]) > 0.7 * len(scheduler.placement), "most records moved to the fast path"
-    tx.close()
+    ) as tx:
+        current, state = train(tx, params, tx.init(params), range(2))
+        tx.offloader.set_caps(1, max_read="1MB/s", max_write="1MB/s")
+        current, state = train(tx, current, state, range(2, 6))
+        scheduler = tx.offloader.scheduler
+        assert scheduler.moves > 0 and scheduler.shares[0] > 0.75
+        tx.flush()
+        stored = [
+            {int(name[2:8]) for name in os.listdir(root / "proc0000") if name.startswith("sg")}
+            for root in (paths[1] / "fast", paths[2] / "slow")
+        ]
+        assert not stored[0] & stored[1], "old records are removed"
+        assert stored[0] | stored[1] == set(range(len(scheduler.placement)))
+        assert len(stored[0]) > 0.7 * len(scheduler.placement), "most records moved to the fast path"
     assert_same_bits(current, reference, "rebalanced")
 
 
@@ -338,11 +298,10 @@ def test_probe_and_plan_print_the_room_each_path_needs_against_its_free_space(tm
 def test_stats_carry_bandwidth_estimates_that_respect_the_caps(paths):
     params = make_params()
     capped = jax_mlp.Path(paths[1], max_read="20MB/s", max_write="20MB/s")
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0], capped], subgroup_size=SUBGROUP)
-    state = tx.init(params)
-    for step in range(2):
-        _, state = tx.update(grads_at(params, step), state, params)
-        estimate = tx.stats.bandwidth[str(paths[1])]
-        assert 0 < estimate["read"] <= 20e6 * 1.05 and 0 < estimate["write"] <= 20e6 * 1.05
-        assert tx.stats.bandwidth[str(paths[0])]["read"] > 0
-    tx.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0], capped], subgroup_size=SUBGROUP) as tx:
+        state = tx.init(params)
+        for step in range(2):
+            _, state = tx.update(grads_at(params, step), state, params)
+            estimate = tx.stats.bandwidth[str(paths[1])]
+            assert 0 < estimate["read"] <= 20e6 * 1.05 and 0 < estimate["write"] <= 20e6 * 1.05
+            assert tx.stats.bandwidth[str(paths[0])]["read"] > 0

@@ -19,8 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from conftest import abstract, decay_mask, make_params, train
-from helpers import assert_bf16_within_ulp, assert_close_to_optax, assert_same_bits
+from helpers import (
+    abstract,
+    assert_bf16_within_ulp,
+    assert_close_to_optax,
+    assert_same_bits,
+    decay_mask,
+    make_params,
+    train,
+)
 from jax.sharding import NamedSharding
 from test_sharding import mesh_2x4, spec_for
 
@@ -53,7 +60,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import jax, jax.numpy as jnp, numpy as np, optax, orbax.checkpoint as ocp
     import jax_mlp
-    from conftest import grads_at, make_params, train
+    from helpers import grads_at, make_params, train
     from test_sharded_checkpoint import MESHES, inner, like_on
 
     root = sys.argv[2]
@@ -71,13 +78,12 @@ CHILD = textwrap.dedent(
 
     for shape in MESHES:  # other paths, another subgroup size and a host cache
         mesh = jax.make_mesh(shape, ("replica", "fsdp"))
-        tx = jax_mlp.mlp_offload(inner(), paths=[f"{root}/new{shape[0]}x{shape[1]}"], subgroup_size="8KiB",
-                                 host_cache="24KiB", master_dtype=jnp.float32)
-        params, state = restore(f"{root}/offloaded", 4, mesh, bf16, lambda like: jax_mlp.OffloadRestore(tx, like))
-        assert int(state.step) == 4, state
-        assert all(p.sharding.mesh.devices.shape == shape for p in jax.tree.leaves(params))
-        params, _ = train(tx, params, state, range(4, 8))
-        tx.close()
+        with jax_mlp.mlp_offload(inner(), paths=[f"{root}/new{shape[0]}x{shape[1]}"], subgroup_size="8KiB",
+                                 host_cache="24KiB", master_dtype=jnp.float32) as tx:
+            params, state = restore(f"{root}/offloaded", 4, mesh, bf16, lambda like: jax_mlp.OffloadRestore(tx, like))
+            assert int(state.step) == 4, state
+            assert all(p.sharding.mesh.devices.shape == shape for p in jax.tree.leaves(params))
+            params, _ = train(tx, params, state, range(4, 8))
         out.update({f"{shape}/{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))})
 
     # Plain optax reads the offloaded checkpoint sharded, and continues on the fp32 masters.
@@ -98,10 +104,9 @@ CHILD = textwrap.dedent(
     out.update({f"offloaded_masters/{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(at[8]["opt_state"]["master"]))})
 
     # A plain optax sharded checkpoint restores into mlp_offload on another mesh.
-    tx = jax_mlp.mlp_offload(inner(), paths=[f"{root}/from_plain"], subgroup_size="8KiB")
-    params, state = restore(f"{root}/plain", 4, mesh, fp32, lambda like: jax_mlp.OffloadRestore(tx, like, step=4))
-    params, _ = train(tx, params, state, range(4, 8))
-    tx.close()
+    with jax_mlp.mlp_offload(inner(), paths=[f"{root}/from_plain"], subgroup_size="8KiB") as tx:
+        params, state = restore(f"{root}/plain", 4, mesh, fp32, lambda like: jax_mlp.OffloadRestore(tx, like, step=4))
+        params, _ = train(tx, params, state, range(4, 8))
     out.update({f"from_plain/{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))})
     np.savez(f"{root}/results.npz", **out)
     print(json.dumps(report))
@@ -113,31 +118,30 @@ def test_a_sharded_checkpoint_round_trips_onto_other_meshes_paths_and_subgroups(
     mesh = mesh_2x4()
     params = sharded(make_params(dtype=jnp.bfloat16), mesh)
     # Full masters here, for restore_params; the restores below go into remainders.
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         inner(),
         paths=[tmp_path / "a", tmp_path / "b"],
         subgroup_size="16KiB",
         master_dtype=jnp.float32,
         master_storage="full",
-    )
-    with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
-        state = tx.init(params)
-        pieces = [p for sg in tx.offloader.plan.subgroups for p in sg.pieces]
-        assert any(p.shard is not None and p.rows is not None for p in pieces), "no sharded leaf is split"
-        params, state = train(tx, params, state, range(4))
-        at_4 = params
-        manager.save(
-            4, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+    ) as tx:
+        with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
+            state = tx.init(params)
+            pieces = [p for sg in tx.offloader.plan.subgroups for p in sg.pieces]
+            assert any(p.shard is not None and p.rows is not None for p in pieces), "no sharded leaf is split"
+            params, state = train(tx, params, state, range(4))
+            at_4 = params
+            manager.save(
+                4, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
+            )
+            params, state = train(tx, params, state, range(4, 8))  # while the save streams out
+            manager.save(8, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
+        assert_same_bits(jax_mlp.restore_params(tx, abstract(params)), params, "restore_params of sharded tiers")
+        restored_like = jax_mlp.restore_params(
+            tx, like_on(jax.make_mesh((1, 8), ("replica", "fsdp"), devices=jax.devices()[:8]), params)
         )
-        params, state = train(tx, params, state, range(4, 8))  # while the save streams out
-        manager.save(8, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
-    assert_same_bits(jax_mlp.restore_params(tx, abstract(params)), params, "restore_params of sharded tiers")
-    restored_like = jax_mlp.restore_params(
-        tx, like_on(jax.make_mesh((1, 8), ("replica", "fsdp"), devices=jax.devices()[:8]), params)
-    )
-    assert_same_bits(restored_like, params, "restore_params onto another mesh")
-    assert {x.sharding.mesh.devices.shape for x in jax.tree.leaves(restored_like)} == {(1, 8)}
-    tx.close()
+        assert_same_bits(restored_like, params, "restore_params onto another mesh")
+        assert {x.sharding.mesh.devices.shape for x in jax.tree.leaves(restored_like)} == {(1, 8)}
     at_8 = params
 
     plain = sharded(make_params(), mesh)
@@ -192,31 +196,31 @@ def test_sharded_remainder_masters_save_whole_and_restore_bitwise(tmp_path):
     mesh = mesh_2x4()
     params = sharded(make_params(dtype=jnp.bfloat16), mesh)
     options = {"subgroup_size": "16KiB", "master_dtype": jnp.float32, "master_storage": "remainder"}
-    tx = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "a", tmp_path / "b"], **options)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with (
+        jax_mlp.mlp_offload(inner(), paths=[tmp_path / "a", tmp_path / "b"], **options) as tx,
+        ocp.CheckpointManager(tmp_path / "ckpt") as manager,
+    ):
         params, state = train(tx, params, tx.init(params), range(3))
         assert any(f.dtype == np.int16 for sg in tx.offloader.plan.subgroups for f in sg.layout.master_fields)
         manager.save(
             3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx, params))
         )
         at_6, _ = train(tx, params, state, range(3, 6))
-    tx.close()
     like = like_on(mesh, params)
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         layout = jax_mlp.standard_layout(inner(), like, jnp.float32)
         masters = manager.restore(3, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(layout)))
     words = jax.tree.map(lambda m: remainders.split(jnp.asarray(m))[0], masters["opt_state"]["master"])
     assert_same_bits(words, params, "the saved masters' high halves are the params")
-    resumed = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "c"], **options)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        restored = manager.restore(
-            3,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(resumed, like)
-            ),
-        )
-    continued, _ = train(resumed, restored["params"], restored["opt_state"], range(3, 6))
-    resumed.close()
+    with jax_mlp.mlp_offload(inner(), paths=[tmp_path / "c"], **options) as resumed:
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            restored = manager.restore(
+                3,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(resumed, like)
+                ),
+            )
+        continued, _ = train(resumed, restored["params"], restored["opt_state"], range(3, 6))
     assert_same_bits(continued, at_6, "restored remainders continue bit for bit")
 
 

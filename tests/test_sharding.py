@@ -1,4 +1,6 @@
-"""Sharded params on 8 fake CPU devices: a 2x4 mesh, FSDP on one axis and replicated on the other."""
+"""``plan/sharding.py``: sharded params on 8 fake CPU devices, a 2x4 mesh, FSDP on one axis and replicated on the
+other.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import OPTIMIZERS, grads_at, make_params
-from helpers import assert_close_to_optax
+from helpers import OPTIMIZERS, assert_close_to_optax, grads_at, make_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,19 +50,21 @@ def test_sharded_training_matches_optax_and_stores_each_block_once(tmp_path):
     params = sharded_params(mesh)
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(params)} == {8}
     inner = OPTIMIZERS["adamw_mask"]()
-    tx = jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB")
-    params = train_keeping_shardings(tx, inner, params, tx.update)
+    with jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB") as tx:
+        params = train_keeping_shardings(tx, inner, params, tx.update)
 
-    plan = tx.offloader.plan
-    assert any(p.rows is not None and p.shard is not None for sg in plan.subgroups for p in sg.pieces), "no split shard"
-    for subgroup in plan.subgroups:
-        assert len({p.device for p in subgroup.pieces}) == 1, "a subgroup mixes devices"
-    # Every element of every leaf is owned by exactly one piece: no replica is stored twice.
-    for index, spec in enumerate(plan.leaves):
-        owned = [p for sg in plan.subgroups for p in sg.pieces if p.leaf == index]
-        elements = sum(math.prod(partition.piece_shape(spec, p)) for p in owned)
-        assert elements == math.prod(spec.shape), spec.path
-    assert_stored_once(tx, inner, params)
+        plan = tx.offloader.plan
+        assert any(p.rows is not None and p.shard is not None for sg in plan.subgroups for p in sg.pieces), (
+            "no split shard"
+        )
+        for subgroup in plan.subgroups:
+            assert len({p.device for p in subgroup.pieces}) == 1, "a subgroup mixes devices"
+        # Every element of every leaf is owned by exactly one piece: no replica is stored twice.
+        for index, spec in enumerate(plan.leaves):
+            owned = [p for sg in plan.subgroups for p in sg.pieces if p.leaf == index]
+            elements = sum(math.prod(partition.piece_shape(spec, p)) for p in owned)
+            assert elements == math.prod(spec.shape), spec.path
+        assert_stored_once(tx, inner, params)
 
 
 def train_keeping_shardings(tx, inner, params, update, steps: int = 10):
@@ -101,24 +104,22 @@ def assert_stored_once(tx, inner, params) -> None:
 def test_a_replicated_leaf_is_updated_once_and_copied(tmp_path):
     mesh = mesh_2x4()
     params = {"w": jax.device_put(make_params()["big"], NamedSharding(mesh, P()))}
-    tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path)
-    opt_state = tx.init(params)
-    (piece,) = [p for sg in tx.offloader.plan.subgroups for p in sg.pieces]
-    assert piece.shard.device == mesh.devices.flat[0].id
-    updates, _ = tx.update(grads_at(params, 0), opt_state, params)
-    blocks = [np.asarray(s.data) for s in updates["w"].addressable_shards]
-    assert len(blocks) == 8 and all(np.array_equal(b.view(np.uint32), blocks[0].view(np.uint32)) for b in blocks)
-    tx.close()
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path) as tx:
+        opt_state = tx.init(params)
+        (piece,) = [p for sg in tx.offloader.plan.subgroups for p in sg.pieces]
+        assert piece.shard.device == mesh.devices.flat[0].id
+        updates, _ = tx.update(grads_at(params, 0), opt_state, params)
+        blocks = [np.asarray(s.data) for s in updates["w"].addressable_shards]
+        assert len(blocks) == 8 and all(np.array_equal(b.view(np.uint32), blocks[0].view(np.uint32)) for b in blocks)
 
 
 def test_grads_with_another_sharding_are_resharded_not_refused(tmp_path):
     mesh = mesh_2x4()
     params = sharded_params(mesh)
     inner = optax.adam(1e-2)
-    tx = jax_mlp.mlp_offload(inner, paths=tmp_path)
-    opt_state = tx.init(params)
-    grads = jax.tree.map(lambda g: jax.device_put(g, NamedSharding(mesh, P())), grads_at(params, 0))
-    updates, _ = tx.update(grads, opt_state, params)
-    expected, _ = inner.update(grads_at(params, 0), inner.init(params), params)
-    assert_close_to_optax(updates, expected)
-    tx.close()
+    with jax_mlp.mlp_offload(inner, paths=tmp_path) as tx:
+        opt_state = tx.init(params)
+        grads = jax.tree.map(lambda g: jax.device_put(g, NamedSharding(mesh, P())), grads_at(params, 0))
+        updates, _ = tx.update(grads, opt_state, params)
+        expected, _ = inner.update(grads_at(params, 0), inner.init(params), params)
+        assert_close_to_optax(updates, expected)

@@ -7,8 +7,16 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract, grads_at, make_params
-from helpers import EXACT_BOUND, assert_close_to_optax, assert_same_bits, max_relative_deviation
+from helpers import (
+    EXACT_BOUND,
+    abstract,
+    assert_close_to_optax,
+    assert_same_bits,
+    grads_at,
+    make_params,
+    max_relative_deviation,
+    train,
+)
 
 import jax_mlp
 
@@ -21,19 +29,19 @@ def inject() -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=1e-3)
 
 
-def train(tx, params, state, steps, update=None):
-    """Trains for ``steps``, setting the learning rate to ``NEW_RATE`` before step ``CHANGE_AT``."""
-    update = update or tx.update
-    for step in steps:
-        if step == CHANGE_AT:
-            state.hyperparams["learning_rate"] = NEW_RATE
-        updates, state = update(grads_at(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
+def train_changing_rate(tx, params, state, steps, update=None):
+    """Trains for ``steps`` (the shared ``train``), setting the learning rate to ``NEW_RATE`` before step
+    ``CHANGE_AT``."""
+    steps = list(steps)
+    at = steps.index(CHANGE_AT) if CHANGE_AT in steps else len(steps)
+    params, state = train(tx, params, state, steps[:at], update=update)
+    if at < len(steps):
+        state.hyperparams["learning_rate"] = NEW_RATE
+    return train(tx, params, state, steps[at:], update=update)
 
 
 def assert_matches_optax(params, start, steps=STEPS):
-    expected, expected_state = train(inject(), start, inject().init(start), range(steps))
+    expected, expected_state = train_changing_rate(inject(), start, inject().init(start), range(steps))
     assert_close_to_optax(params, expected, start)
     return expected_state
 
@@ -44,18 +52,14 @@ def test_changing_the_learning_rate_at_step_5_matches_inject_hyperparams_in_memo
         state = tx.init(start)
         assert len(tx.offloader.plan.subgroups) >= 3
         assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
-        params, state = train(tx, start, state, range(STEPS))
+        params, state = train_changing_rate(tx, start, state, range(STEPS))
     expected_state = assert_matches_optax(params, start)
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(NEW_RATE)
     assert float(optax.tree_utils.tree_get(state, "learning_rate")) == pytest.approx(NEW_RATE)
     assert int(state.shared.count) == int(expected_state.count) == STEPS
     # The change mattered: without it, the params differ by far more than the tolerance.
     unchanged = optax.adamw(1e-2, weight_decay=1e-3)
-    plain = start
-    plain_state = unchanged.init(start)
-    for step in range(STEPS):
-        updates, plain_state = unchanged.update(grads_at(plain, step), plain_state, plain)
-        plain = optax.apply_updates(plain, updates)
+    plain, _ = train(unchanged, start, unchanged.init(start), range(STEPS))
     assert max(max_relative_deviation(params, plain).values()) > 100 * EXACT_BOUND
 
 
@@ -63,7 +67,7 @@ def test_the_shared_state_passes_through_jit_and_a_change_inside_reaches_every_s
     start = make_params(SHAPES)
     with jax_mlp.mlp_offload(inject(), paths=tmp_path, **OPTIONS) as tx:
         state = tx.init(start)
-        params, state = train(tx, start, state, range(STEPS), update=jax.jit(tx.update))
+        params, state = train_changing_rate(tx, start, state, range(STEPS), update=jax.jit(tx.update))
     assert_matches_optax(params, start)
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(NEW_RATE)
 
@@ -72,7 +76,7 @@ def test_the_changed_rate_survives_a_restart_and_a_checkpoint(tmp_path):
     start = make_params(SHAPES)
     paths = [tmp_path / "a", tmp_path / "b"]
     with jax_mlp.mlp_offload(inject(), paths=paths, **OPTIONS) as tx:
-        params, state = train(tx, start, tx.init(start), range(CHANGE_AT + 1))
+        params, state = train_changing_rate(tx, start, tx.init(start), range(CHANGE_AT + 1))
         with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
             manager.save(CHANGE_AT + 1, args=ocp.args.Composite(opt_state=jax_mlp.OffloadSave(tx)))
         resumed_at = params
@@ -80,15 +84,15 @@ def test_the_changed_rate_survives_a_restart_and_a_checkpoint(tmp_path):
         state = tx.init(start)
         assert float(state.hyperparams["learning_rate"]) == pytest.approx(NEW_RATE)
         assert int(state.shared.count) == CHANGE_AT + 1
-        resumed, _ = train(tx, resumed_at, state, range(CHANGE_AT + 1, STEPS))
+        resumed, _ = train_changing_rate(tx, resumed_at, state, range(CHANGE_AT + 1, STEPS))
     with jax_mlp.mlp_offload(inject(), paths=tmp_path / "c", **OPTIONS) as tx:
         with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
             args = ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, abstract(start)))
             state = manager.restore(CHANGE_AT + 1, args=args)["opt_state"]
         assert float(state.hyperparams["learning_rate"]) == pytest.approx(NEW_RATE)
-        restored, _ = train(tx, resumed_at, state, range(CHANGE_AT + 1, STEPS))
+        restored, _ = train_changing_rate(tx, resumed_at, state, range(CHANGE_AT + 1, STEPS))
     with jax_mlp.mlp_offload(inject(), paths=tmp_path / "d", **OPTIONS) as tx:
-        straight, _ = train(tx, start, tx.init(start), range(STEPS))
+        straight, _ = train_changing_rate(tx, start, tx.init(start), range(STEPS))
     assert_same_bits(resumed, straight, "a restart changed the bits")
     assert_same_bits(restored, straight, "a checkpoint restore changed the bits")
 
@@ -152,8 +156,11 @@ def test_a_declared_extra_argument_reaches_every_subgroup_eagerly_and_inside_jit
 
 
 def test_a_required_extra_argument_must_be_declared(tmp_path):
-    with pytest.raises(jax_mlp.OffloadError, match="declare them: mlp_offload"):
-        jax_mlp.mlp_offload(scaled_adam(), paths=tmp_path, **OPTIONS).init(make_params(SHAPES))
+    with (
+        pytest.raises(jax_mlp.OffloadError, match="declare them: mlp_offload"),
+        jax_mlp.mlp_offload(scaled_adam(), paths=tmp_path, **OPTIONS) as tx,
+    ):
+        tx.init(make_params(SHAPES))
     assert not list(tmp_path.rglob("*.json"))
 
 

@@ -1,4 +1,6 @@
-"""Host-device transfers: the pinned path (through the device's pinned_host memory) moves the same bits as the plain one."""
+"""``stream/transfer.py``: the pinned path (through the device's pinned_host memory) moves the same bits as the plain
+one.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import grads_at, make_params
-from helpers import as_bits, assert_same_bits
+from helpers import as_bits, assert_same_bits, make_params, train
 
 import jax_mlp
 from jax_mlp import OffloadError
@@ -19,20 +20,14 @@ STEPS = 3
 def _train(paths, transfer: str, *, apply: bool):
     """Offloaded adam for ``STEPS`` (eager updates, or the fused apply), with every record in the tiers."""
     params = make_params()
-    tx = jax_mlp.mlp_offload(
+    with jax_mlp.mlp_offload(
         optax.adam(1e-2), paths=paths, subgroup_size="16KiB", host_cache="64KiB", transfer=transfer
-    )
-    state = tx.init(params)
-    init_transfer = tx.stats.transfer
-    for step in range(STEPS):
-        if apply:
-            params, state = tx.apply(grads_at(params, step), state, params)
-        else:
-            updates, state = tx.update(grads_at(params, step), state, params)
-            params = optax.apply_updates(params, updates)
-    tx.flush()
-    stats = tx.stats
-    tx.close()
+    ) as tx:
+        state = tx.init(params)
+        init_transfer = tx.stats.transfer
+        params, state = train(tx, params, state, range(STEPS), apply=apply)
+        tx.flush()
+        stats = tx.stats
     records = {str(p.relative_to(paths[0])): p.read_bytes() for p in paths[0].rglob("sg*/c/*") if p.is_file()}
     return params, (init_transfer, stats.transfer), records
 
