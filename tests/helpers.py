@@ -101,7 +101,7 @@ def run_optax(inner, params, steps: int, *, jit: bool):
     return params
 
 
-def train(optimizer, params, state, steps, *, update=None, apply=False, history=None):
+def train(optimizer, params, state, steps, *, update=None, apply=False, history=None, grads_of=None):
     """Applies ``optimizer``'s updates (plain optax or mlp_offload) for the gradients of ``steps``.
 
     Each step's gradients are ``grads_at(params, step)`` of the params it starts from.
@@ -114,19 +114,22 @@ def train(optimizer, params, state, steps, *, update=None, apply=False, history=
       update: called instead of ``optimizer.update`` (a jitted one, say).
       apply: take the fused ``optimizer.apply`` (an ``mlp_offload``'s) instead of update plus
         ``optax.apply_updates``.
-      history: a list to append each step's updates to.
+      history: a list to append each step's updates (or, with ``apply``, new params) to.
+      grads_of: makes a step's gradients from the params and the step, instead of ``grads_at``
+        (the same values placed elsewhere, say).
 
     Returns:
       The params and the state after the last step.
     """
     update = update or optimizer.update
     for step in steps:
-        grads = grads_at(params, step)
+        grads = (grads_of or grads_at)(params, step)
         if apply:
             params, state = optimizer.apply(grads, state, params)
-            continue
-        updates, state = update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+            updates = params
+        else:
+            updates, state = update(grads, state, params)
+            params = optax.apply_updates(params, updates)
         if history is not None:
             history.append(updates)
     return params, state

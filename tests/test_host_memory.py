@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import collections
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import SHAPES, decay_mask, grads_at, make_params, run_optax
-from helpers import assert_bf16_within_ulp, assert_close_to_optax, assert_same_bits
+from helpers import (
+    SHAPES,
+    assert_bf16_within_ulp,
+    assert_close_to_optax,
+    assert_same_bits,
+    decay_mask,
+    grads_at,
+    make_params,
+    run_optax,
+)
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,23 +72,22 @@ def train(kind, paths, *, apply=False, dtype=jnp.float32, master=None, mesh=None
     """Trains ``LEAF_SHAPES`` params kept in memory ``kind`` with mlp_offload; checks every result's kind on the way."""
     params = placed(make_params(LEAF_SHAPES, dtype=dtype), kind, mesh)
     shardings = [x.sharding for x in jax.tree.leaves(params)]
-    tx = jax_mlp.mlp_offload(inner(), paths=paths, subgroup_size=SUBGROUP, master_dtype=master)
-    state = tx.init(params)
-    for step in range(steps):
-        grads = placed(grads_at(params, step), kind, mesh)
-        if apply:
-            params, state = tx.apply(grads, state, params)
-        else:
-            updates, state = tx.update(grads, state, params)
-            assert kinds(updates) == {kind}, jax.tree.map(lambda x: x.sharding.memory_kind, updates)
-            params = optax.apply_updates(params, updates)
-        assert kinds(params) == {kind}
+    results = []  # each step's updates (or, applied, new params): all in memory ``kind``
+    with jax_mlp.mlp_offload(inner(), paths=paths, subgroup_size=SUBGROUP, master_dtype=master) as tx:
+        grads_of = lambda p, step: placed(grads_at(p, step), kind, mesh)  # noqa: E731
+        params, _ = helpers.train(
+            tx, params, tx.init(params), range(steps), apply=apply, history=results, grads_of=grads_of
+        )
+        plan = tx.offloader.plan
+    assert all(kinds(result) == {kind} for result in results), [jax.tree.map(memory_kind, r) for r in results]
     for x, sharding in zip(jax.tree.leaves(params), shardings, strict=True):
         assert x.sharding.is_equivalent_to(sharding, x.ndim), (x.sharding, sharding)
-    plan = tx.offloader.plan
     assert any(p.rows is not None for sg in plan.subgroups for p in sg.pieces), "no leaf was cut into row chunks"
-    tx.close()
     return params
+
+
+def memory_kind(x) -> str:
+    return x.sharding.memory_kind
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh_2x4"])
@@ -120,11 +128,10 @@ def test_apply_to_keeps_an_nnx_models_params_in_host_memory(tmp_path):
     results = {}
     for kind in (HOST, DEVICE):
         model = model_in(kind)
-        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / kind], subgroup_size="4KiB")
-        state = tx.init(nnx.state(model, nnx.Param))
-        for step in range(3):
-            state = tx.apply_to(model, placed(grads_at(nnx.state(model, nnx.Param), step), kind), state)
-        tx.close()
+        with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / kind], subgroup_size="4KiB") as tx:
+            state = tx.init(nnx.state(model, nnx.Param))
+            for step in range(3):
+                state = tx.apply_to(model, placed(grads_at(nnx.state(model, nnx.Param), step), kind), state)
         results[kind] = nnx.state(model, nnx.Param)
         assert kinds(results[kind]) == {kind}
     assert_same_bits(results[HOST], results[DEVICE], "an NNX model's params in pinned_host against device memory")
@@ -136,33 +143,28 @@ def test_checkpoint_round_trip_keeps_the_memory_kind_of_params_like(tmp_path):
     options = dict(subgroup_size=SUBGROUP, master_dtype=jnp.float32)
     params = placed(make_params(LEAF_SHAPES, dtype=jnp.bfloat16), HOST, mesh)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    tx = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "first"], **options)
-    state = tx.init(params)
     checkpointer = ocp.Checkpointer(jax_mlp.OffloadCheckpointHandler())
-    for step in range(STEPS):
-        if step == 3:
-            checkpointer.save(tmp_path / "checkpoint", args=jax_mlp.OffloadSave(tx))
-            saved = placed(params, HOST, mesh)  # a copy: apply consumes the params
-        params, state = tx.apply(placed(grads_at(params, step), HOST, mesh), state, params)
-    tx.close()
+    grads_of = lambda p, step: placed(grads_at(p, step), HOST, mesh)  # noqa: E731
+    with jax_mlp.mlp_offload(inner(), paths=[tmp_path / "first"], **options) as tx:
+        state = tx.init(params)
+        params, state = helpers.train(tx, params, state, range(3), apply=True, grads_of=grads_of)
+        checkpointer.save(tmp_path / "checkpoint", args=jax_mlp.OffloadSave(tx))
+        saved = placed(params, HOST, mesh)  # a copy: apply consumes the params
+        params, state = helpers.train(tx, params, state, range(3, STEPS), apply=True, grads_of=grads_of)
 
-    restored = jax_mlp.mlp_offload(inner(), paths=[tmp_path / "second"], **options)
-    state = checkpointer.restore(tmp_path / "checkpoint", args=jax_mlp.OffloadRestore(restored, like))
-    resumed = saved
-    for step in range(3, STEPS):
-        updates, state = restored.update(placed(grads_at(resumed, step), HOST, mesh), state, resumed)
-        assert kinds(updates) == {HOST}
-        resumed = optax.apply_updates(resumed, updates)
-    assert kinds(resumed) == {HOST}
-    assert_same_bits(resumed, params, "restored at step 3 against uninterrupted")
-    for kind in (HOST, DEVICE):  # from the masters in the tiers, in the memory kind of params_like
-        like_kind = jax.tree.map(
-            lambda x, k=kind: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind(k)), like
-        )
-        from_tiers = jax_mlp.restore_params(restored, like_kind)
-        assert kinds(from_tiers) == {kind}
-        assert_same_bits(from_tiers, params, f"restore_params into {kind}")
-    restored.close()
+    with jax_mlp.mlp_offload(inner(), paths=[tmp_path / "second"], **options) as restored:
+        state = checkpointer.restore(tmp_path / "checkpoint", args=jax_mlp.OffloadRestore(restored, like))
+        updates = []
+        resumed, state = helpers.train(restored, saved, state, range(3, STEPS), history=updates, grads_of=grads_of)
+        assert all(kinds(u) == {HOST} for u in updates) and kinds(resumed) == {HOST}
+        assert_same_bits(resumed, params, "restored at step 3 against uninterrupted")
+        for kind in (HOST, DEVICE):  # from the masters in the tiers, in the memory kind of params_like
+            like_kind = jax.tree.map(
+                lambda x, k=kind: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind(k)), like
+            )
+            from_tiers = jax_mlp.restore_params(restored, like_kind)
+            assert kinds(from_tiers) == {kind}
+            assert_same_bits(from_tiers, params, f"restore_params into {kind}")
 
 
 def _live_bytes() -> collections.Counter:
@@ -198,13 +200,12 @@ def test_an_update_of_host_params_adds_to_device_memory_only_the_subgroups_in_fl
         params = placed(make_params(shapes), kind)
         grads = placed(grads_at(params, 0), kind)
         options = dict(subgroup_size="64KiB", prefetch_depth=depth, write_depth=depth)
-        tx = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / kind], **options)
-        state = tx.init(params)
-        before = _live_bytes()
-        sampled.clear()
-        result = tx.apply(grads, state, params)[0] if apply else tx.update(grads, state, params)[0]
-        assert kinds(result) == {kind}
-        tx.close()
+        with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / kind], **options) as tx:
+            state = tx.init(params)
+            before = _live_bytes()
+            sampled.clear()
+            result = tx.apply(grads, state, params)[0] if apply else tx.update(grads, state, params)[0]
+            assert kinds(result) == {kind}
         return max(s[DEVICE] for s in sampled) - before[DEVICE], before, tx.offloader
 
     added, before, offloader = peak_added(HOST)
@@ -225,52 +226,55 @@ def test_an_update_of_host_params_adds_to_device_memory_only_the_subgroups_in_fl
 
 def test_params_and_grads_in_different_memory_kinds_are_refused_with_what_to_do(tmp_path):
     params = placed(make_params(LEAF_SHAPES), HOST)
-    tx = jax_mlp.mlp_offload(inner(), paths=[tmp_path], subgroup_size=SUBGROUP)
-    state = tx.init(params)
-    on_device = placed(grads_at(params, 0), DEVICE)
-    with pytest.raises(
-        jax_mlp.OffloadError, match=r"grads leaf \['big'\] is in device memory, but params leaf"
-    ) as error:
-        tx.update(on_device, state, params)
-    assert "out_shardings" in str(error.value) and "share one memory kind" in str(error.value)
-    with pytest.raises(jax_mlp.OffloadError, match="share one memory kind"):
-        tx.apply(on_device, state, params)
-    with pytest.raises(
-        jax_mlp.OffloadError,
-        match=r"params and grads leaf \['big'\] is in device memory, but the params were in pinned_host at init",
-    ):
-        tx.update(on_device, state, placed(params, DEVICE))
-    updates, state = tx.update(placed(grads_at(params, 0), HOST), state, params)  # nothing was read or written
-    assert int(state.step) == 1 and kinds(updates) == {HOST}
-    tx.close()
-    without_params = jax_mlp.mlp_offload(optax.sgd(0.1), paths=[tmp_path / "sgd"])  # sgd takes no params
-    state = without_params.init(params)
-    with pytest.raises(
-        jax_mlp.OffloadError, match=r"grads leaf \['big'\] is in device memory, but the params were in pinned_host"
-    ):
-        without_params.update(on_device, state, None)
-    without_params.close()
+    with jax_mlp.mlp_offload(inner(), paths=[tmp_path], subgroup_size=SUBGROUP) as tx:
+        state = tx.init(params)
+        on_device = placed(grads_at(params, 0), DEVICE)
+        with pytest.raises(
+            jax_mlp.OffloadError, match=r"grads leaf \['big'\] is in device memory, but params leaf"
+        ) as error:
+            tx.update(on_device, state, params)
+        assert "out_shardings" in str(error.value) and "share one memory kind" in str(error.value)
+        with pytest.raises(jax_mlp.OffloadError, match="share one memory kind"):
+            tx.apply(on_device, state, params)
+        with pytest.raises(
+            jax_mlp.OffloadError,
+            match=r"params and grads leaf \['big'\] is in device memory, but the params were in pinned_host at init",
+        ):
+            tx.update(on_device, state, placed(params, DEVICE))
+        updates, state = tx.update(placed(grads_at(params, 0), HOST), state, params)  # nothing was read or written
+        assert int(state.step) == 1 and kinds(updates) == {HOST}
+    with jax_mlp.mlp_offload(optax.sgd(0.1), paths=[tmp_path / "sgd"]) as without_params:  # sgd takes no params
+        state = without_params.init(params)
+        with pytest.raises(
+            jax_mlp.OffloadError, match=r"grads leaf \['big'\] is in device memory, but the params were in pinned_host"
+        ):
+            without_params.update(on_device, state, None)
 
 
 def test_a_scalar_moved_to_device_memory_by_apply_updates_is_refused_with_the_remedy(tmp_path):
     params = placed({"w": np.ones((8, 4), np.float32), "t": np.float32(2.0)}, HOST)
-    tx = jax_mlp.mlp_offload(optax.sgd(0.1), paths=[tmp_path])
-    state = tx.init(params)
-    updates, state = tx.update(placed({"w": np.ones((8, 4), np.float32), "t": np.float32(1.0)}, HOST), state, params)
-    params = optax.apply_updates(params, updates)
-    assert params["t"].sharding.memory_kind == DEVICE and params["w"].sharding.memory_kind == HOST  # JAX's doing
-    with pytest.raises(
-        jax_mlp.OffloadError, match=r"params and grads leaf \['t'\] .* use tx.apply, or jax.jit\(optax.apply_updates"
-    ):
-        tx.update(placed(updates, DEVICE), state, params)
-    tx.close()
+    with jax_mlp.mlp_offload(optax.sgd(0.1), paths=[tmp_path]) as tx:
+        state = tx.init(params)
+        updates, state = tx.update(
+            placed({"w": np.ones((8, 4), np.float32), "t": np.float32(1.0)}, HOST), state, params
+        )
+        params = optax.apply_updates(params, updates)
+        assert params["t"].sharding.memory_kind == DEVICE and params["w"].sharding.memory_kind == HOST  # JAX's doing
+        with pytest.raises(
+            jax_mlp.OffloadError,
+            match=r"params and grads leaf \['t'\] .* use tx.apply, or jax.jit\(optax.apply_updates",
+        ):
+            tx.update(placed(updates, DEVICE), state, params)
 
 
 def test_unpinned_host_params_are_refused_at_init(tmp_path):
     params = placed({"w": np.ones((8, 4), np.float32)}, "unpinned_host")
-    tx = jax_mlp.mlp_offload(optax.adam(0.1), paths=[tmp_path])
-    with pytest.raises(
-        jax_mlp.OffloadError, match=r"param leaf \['w'\] is in unpinned_host memory.*with_memory_kind\('pinned_host'\)"
+    with (
+        jax_mlp.mlp_offload(optax.adam(0.1), paths=[tmp_path]) as tx,
+        pytest.raises(
+            jax_mlp.OffloadError,
+            match=r"param leaf \['w'\] is in unpinned_host memory.*with_memory_kind\('pinned_host'\)",
+        ),
     ):
         tx.init(params)
     assert not (tmp_path / "proc0000" / "run.json").exists()
@@ -278,16 +282,18 @@ def test_unpinned_host_params_are_refused_at_init(tmp_path):
 
 def test_host_params_with_accumulation_or_inside_jit_are_refused_with_what_to_do(tmp_path):
     params = placed({"w": np.ones((8, 4), np.float32)}, HOST)
-    accumulating = jax_mlp.mlp_offload(optax.adam(0.1), paths=[tmp_path / "a"], accumulate_steps=2)
-    with pytest.raises(
-        jax_mlp.OffloadError, match=r"accumulate_steps=2.*Accumulate the micro-batches' gradients in your jitted step"
+    with (
+        jax_mlp.mlp_offload(optax.adam(0.1), paths=[tmp_path / "a"], accumulate_steps=2) as accumulating,
+        pytest.raises(
+            jax_mlp.OffloadError,
+            match=r"accumulate_steps=2.*Accumulate the micro-batches' gradients in your jitted step",
+        ),
     ):
         accumulating.init(params)
-    tx = jax_mlp.mlp_offload(optax.adam(0.1), paths=[tmp_path / "b"])
-    state = tx.init(params)
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p), out_shardings=None)
-    with pytest.raises(
-        jax_mlp.OffloadError, match=r"param \['w'\] is in pinned_host memory; update inside jit .* eagerly"
-    ):
-        step(params, state, params)
-    tx.close()
+    with jax_mlp.mlp_offload(optax.adam(0.1), paths=[tmp_path / "b"]) as tx:
+        state = tx.init(params)
+        step = jax.jit(lambda g, s, p: tx.update(g, s, p), out_shardings=None)
+        with pytest.raises(
+            jax_mlp.OffloadError, match=r"param \['w'\] is in pinned_host memory; update inside jit .* eagerly"
+        ):
+            step(params, state, params)
