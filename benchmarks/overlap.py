@@ -81,21 +81,22 @@ def layers_for(args: argparse.Namespace) -> int:
     return max(2, round(jax_mlp.parse_size(args.state) / 8 / args.width**2))
 
 
-def make_params(layers: int, width: int) -> dict:
+def make_params(layers: int, width: int) -> list:
+    """The layers' weights, a list: its leaves are in the layers' order, so subgroups hold neighbouring layers."""
     keys = jax.random.split(jax.random.PRNGKey(0), layers)
-    return {f"w{i}": jax.random.normal(k, (width, width)) / math.sqrt(width) for i, k in enumerate(keys)}
+    return [jax.random.normal(k, (width, width)) / math.sqrt(width) for k in keys]
 
 
-def loss(params: dict, x: jax.Array) -> jax.Array:
-    for i in range(len(params)):
-        x = jnp.tanh(x @ params[f"w{i}"])
+def loss(params: list, x: jax.Array) -> jax.Array:
+    for w in params:
+        x = jnp.tanh(x @ w)
     return jnp.mean(x**2)
 
 
-def forward_backward_seconds(params: dict, rows: int) -> float:
+def forward_backward_seconds(params: list, rows: int) -> float:
     """The median time of a jitted forward and backward with a batch of ``rows``."""
     grad = jax.jit(jax.grad(loss))
-    x = jnp.ones((rows, next(iter(params.values())).shape[0]))
+    x = jnp.ones((rows, params[0].shape[0]))
     jax.block_until_ready(grad(params, x))
     times = []
     for _ in range(3):
@@ -105,7 +106,7 @@ def forward_backward_seconds(params: dict, rows: int) -> float:
     return statistics.median(times)
 
 
-def rows_for(params: dict, target: float) -> int:
+def rows_for(params: list, target: float) -> int:
     """The batch whose forward and backward take about ``target`` seconds (linear in the rows)."""
     per_row = forward_backward_seconds(params, 256) / 256
     return max(8, round(target / per_row))
@@ -132,7 +133,7 @@ class PeakRss:
         self._thread.join()
 
 
-def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, cache: int, overlapped: bool) -> dict:
+def train(path: jax_mlp.Path, root: str, params: list, rows: int, steps: int, cache: int, overlapped: bool) -> dict:
     """``steps`` steps on a fresh run directory; each step's wall time, and the update's stats."""
     location = os.path.join(path.location, root)
     offload = jax_mlp.mlp_offload(
@@ -141,7 +142,7 @@ def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, ca
         host_cache=cache,
     )
     grads_of = jax.jit(jax.grad(lambda p, x: loss(offload.overlap(p) if overlapped else p, x)))
-    x = jnp.ones((rows, next(iter(params.values())).shape[0]))
+    x = jnp.ones((rows, params[0].shape[0]))
     seconds, stats = [], []
     with offload, PeakRss() as rss:
         state = offload.init(params)
@@ -162,7 +163,7 @@ def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, ca
     }
 
 
-def in_memory_update_seconds(params: dict) -> float:
+def in_memory_update_seconds(params: list) -> float:
     """The compute of one plain optax adam update of ``params``, jitted, in memory."""
     tx = optax.adam(1e-3)
     update = jax.jit(tx.update)

@@ -9,14 +9,19 @@ of handed-over grads (``stats.overlap_bytes``).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, load_module
 
 import jax_mlp
 from jax_mlp._src.cli import main as cli
@@ -249,3 +254,57 @@ def test_plan_prints_both_steps_and_takes_a_full_duplex_path(capsys):
     for rows in steps.values():
         assert len(rows) == 2 and float(rows[1][0]) < float(rows[0][0]), rows
     assert float(steps["disk=1GB/s:1GB/s:duplex"][0][0]) < float(steps["disk=1GB/s"][0][0])
+
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_the_overlap_benchmark_runs_both_routes_beside_each_other_and_the_model(tmp_path):
+    result = load_module(ROOT / "benchmarks" / "overlap.py").main(["--smoke", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "overlap_emulated.json").read_text()) == json.loads(json.dumps(result))
+    (run,) = result["factors"][0]["runs"]
+    assert run["split"]["rolled_back"] == run["overlapped"]["rolled_back"] == 0
+    assert sum(run["overlapped"]["overlapped"]) > 0 and sum(run["split"]["overlapped"]) == 0
+    assert set(run["model_s"]) == {"split", "overlapped"} and result["disk_s"] > 0
+
+
+def test_the_gpu_overlap_benchmark_dry_run_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    script = ROOT / "benchmarks" / "gpu" / "overlap_step.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], env=env, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "overlap_step.json").read_text())
+    assert result["dry_run"] and result["exact"] and result["backward"]["stall"] > 0
+    assert len(result["step"]["subgroups_before_update"]) == 3
+
+
+def test_an_nnx_model_overlaps_through_its_param_state(tmp_path):
+    from flax import nnx
+
+    def run(overlapped: bool):
+        model = nnx.Sequential(*[nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(i)) for i in range(LAYERS)])
+        offload = jax_mlp.mlp_offload(optax.adamw(1e-2), paths=[tmp_path / str(overlapped)], subgroup_size=SUBGROUP)
+
+        def loss_of(model, x):
+            if overlapped:
+                nnx.update(model, offload.overlap(nnx.state(model, nnx.Param)))
+            return jnp.mean(jnp.tanh(model(x)) ** 2)
+
+        grads_of = nnx.jit(nnx.grad(loss_of))
+        stats = []
+        with offload:
+            state = offload.init(nnx.state(model, nnx.Param))
+            for step in range(4):
+                grads = grads_of(model, batch(step))
+                params = nnx.state(model, nnx.Param)
+                updates, state = offload.update(grads, state, params)
+                nnx.update(model, optax.apply_updates(params, updates))
+                stats.append(offload.stats)
+        return nnx.state(model, nnx.Param), stats
+
+    plain, _ = run(False)
+    overlapped, stats = run(True)
+    assert_same_bits(overlapped, plain, "nnx")
+    assert sum(s.overlap_bytes > 0 for s in stats) > len(stats) // 2 and not any(s.rolled_back for s in stats)

@@ -285,6 +285,7 @@ class Offloader(ClosesOnExit):
             return
         live = self._calls
         if live is not None:
+            live.overlap_route.expect(None)  # a backward still running starts no update now
             live.jit.settle()
         try:
             if not delete:
