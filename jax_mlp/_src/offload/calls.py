@@ -169,7 +169,14 @@ class Calls:
 
     def expect_overlap(self, grads: Sequence[Any], shared: Any, window: accumulation.Window | None = None) -> None:
         """Tells the overlap what the next step's update starts from: the tiers' step, the subgroups' devices
-        (as ``grads`` are placed), the handle's ``shared`` state, and the window the next grads complete."""
+        (as ``grads`` are placed), the handle's ``shared`` state, and the window the next grads complete.
+
+        Nothing is assumed where no overlap can run (see :attr:`Overlap.usable`), or from shapes alone
+        (a resume or restore onto ``jax.ShapeDtypeStruct`` s): the next step then runs split.
+        """
+        if not self.overlap_route.usable or not all(isinstance(x, jax.Array) for x in grads):
+            self.overlap_route.expect(None)
+            return
         devices = self.sharding.devices(self.plan, grads)
         basis = self.overlap_route.basis(self.stream.step, devices, shared, self.stream.programs, window)
         self.overlap_route.expect(basis, grads)

@@ -116,6 +116,11 @@ class Overlap:
 
     # ----------------------------------------------------------------------------- in the user's step
 
+    @property
+    def usable(self) -> bool:
+        """Whether a loss may apply the overlap: :meth:`__call__` refuses it otherwise."""
+        return self._layout is not None and not self._config.extra_args and self._config.flush == "idle"
+
     def __call__(self, params: Any) -> Any:
         """The identity on ``params`` whose backward hands each leaf's grads to this offloader (traceable)."""
         if self._layout is None:

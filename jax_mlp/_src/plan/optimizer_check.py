@@ -54,7 +54,9 @@ class OptimizerCheck(NamedTuple):
 
     whole_leaves: frozenset[int]  # leaves (in tree_leaves order) that must not be row-split
     seconds: float  # time the check took
-    reads_params: bool  # whether inner.update's outputs depend on the params it is given (adamw's decay does)
+    reads_params: (
+        bool  # whether inner.update reads the params: its outputs depend on them (adamw's decay) or it asks for them
+    )
 
 
 class _Traced(NamedTuple):
@@ -99,7 +101,8 @@ def check_optimizer(
     traced = _trace(optax.with_extra_args_support(inner), params, master_dtype, dict(extra_args or {}))
     owner = _state_owners(inner, traced)
     whole = _row_coupled(traced, owner)
-    return OptimizerCheck(whole, time.perf_counter() - start, _reads_params(traced))
+    reads = _reads_params(traced) or _demands_params(optax.with_extra_args_support(inner), traced, extra_args)
+    return OptimizerCheck(whole, time.perf_counter() - start, reads)
 
 
 def check_extra_args(inner: optax.GradientTransformation, plan: partition.Plan, extra_args: Mapping[str, Any]) -> None:
@@ -219,6 +222,17 @@ def _reads_params(traced: _Traced) -> bool:
     tokens = [Dep(frozenset({i}), None) for i in range(n)]
     inputs = [*[UNIFORM] * n, *[UNIFORM] * s, *tokens, *[UNIFORM] * traced.num_extra]
     return any(dep.leaves for dep in Propagation(n).closed(traced.update, inputs))
+
+
+def _demands_params(inner: optax.GradientTransformation, traced: _Traced, extra_args: Mapping[str, Any] | None) -> bool:
+    """Whether ``inner.update`` refuses to run without params, though its outputs may not depend on them
+    (optax's weight decay asks for them even at a rate of 0)."""
+    grads = jax.tree_util.tree_unflatten(traced.treedef, traced.leaves)
+    try:
+        jax.eval_shape(lambda g, s, e: inner.update(g, s, None, **e), grads, traced.state, dict(extra_args or {}))
+    except Exception:  # any refusal: the params must be given
+        return True
+    return False
 
 
 def _state_owners(inner: optax.GradientTransformation, traced: _Traced) -> list[int | None]:
