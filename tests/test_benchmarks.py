@@ -160,3 +160,14 @@ def test_routes_benchmark_times_the_split_step_the_in_jit_route_and_plain_optax(
     assert json.loads((tmp_path / "routes.json").read_text()) == result
     assert set(result["routes"]) == {"split", "in_jit", "plain"} and result["params"] == 2 * (32 * 32 + 32)
     assert all(r["first_step_s"] > 0 and r["median_step_s"] > 0 for r in result["routes"].values())
+
+
+def test_update_path_lists_the_modules_one_update_enters_and_nothing_outside_its_layers(tmp_path):
+    update_path = load_module(ROOT / "benchmarks" / "update_path.py")
+    result = update_path.main(["--out", str(tmp_path)])
+    assert json.loads((tmp_path / "update_path.json").read_text()) == result
+    modules = result["modules"]
+    assert result["count"] == len(modules) == len(set(modules))
+    for hop in ("offload/calls.py", "stream/state_stream.py", "stream/engine.py", "schedule/scheduler.py"):
+        assert os.path.join("_src", hop) in modules, (hop, modules)
+    assert not [m for m in modules if m.startswith((os.path.join("_src", "cli"), os.path.join("_src", "checkpoint")))]

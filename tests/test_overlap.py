@@ -72,16 +72,23 @@ def train(inner, params, directory, steps: int, *, overlapped: bool, clip: float
     return params, stats
 
 
-def global_norms(inner_params, steps):
-    """The global grad norm of each step of the plain run (whether a clipping fires), from plain optax."""
-    norms, params, tx = [], inner_params, optax.adam(1e-2)
+@pytest.fixture(scope="module")
+def clip() -> float:
+    """A global-norm clipping that fires in some of 6 steps and not in others: the median grad norm of plain adam."""
+    norms, params, tx = [], make_params(), optax.adam(1e-2)
     state = tx.init(params)
-    for step in range(steps):
+    for step in range(6):
         grads = jax.grad(loss)(params, batch(step))
-        norms.append(float(optax.global_norm(grads)))
+        norms.append(float(optax.tree.norm(grads)))
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
-    return norms
+    return float(np.median(norms))
+
+
+def fired_in_some(stats: list) -> bool:
+    """Whether the clipping rolled back some steps and let others commit; a rolled-back step ran nothing early."""
+    fired = [s.rolled_back for s in stats]
+    return any(fired) and not all(fired) and all(s.overlapped == 0 for s in stats if s.rolled_back)
 
 
 @pytest.mark.parametrize("inner", [optax.adam(1e-2), optax.adamw(1e-2, weight_decay=0.1)], ids=["adam", "adamw"])
@@ -100,25 +107,23 @@ def test_overlapped_update_is_bitwise_the_split_route_and_starts_during_the_back
     assert sum(s.overlapped > 0 for s in stats) > len(stats) // 2, [s.overlapped for s in stats]
 
 
-def test_a_clipping_that_fires_rolls_the_step_back_and_one_that_does_not_commits_it(tmp_path):
+def test_a_clipping_that_fires_rolls_the_step_back_and_one_that_does_not_commits_it(tmp_path, clip):
     params = make_params()
-    norms = global_norms(params, 6)
-    clip = float(np.median(norms))  # fires in some steps, not in others
     split, _ = train(optax.adam(1e-2), params, tmp_path / "split", 6, overlapped=False, clip=clip)
     overlapped, stats = train(optax.adam(1e-2), params, tmp_path / "overlap", 6, overlapped=True, clip=clip)
     assert_same_bits(overlapped, split, "overlapped vs split, with clipping")
-    fired = [s.rolled_back for s in stats]
-    assert any(fired) and not all(fired), fired
-    assert all(s.overlapped == 0 for s in stats if s.rolled_back)
+    assert fired_in_some(stats), [s.rolled_back for s in stats]
 
 
-def test_bf16_params_with_fp32_masters(tmp_path):
+@pytest.mark.parametrize("clipped", [False, True], ids=["plain", "clipped"])
+def test_bf16_params_with_fp32_masters(tmp_path, clip, clipped):
     params = make_params(jnp.bfloat16)
-    options = {"master_dtype": jnp.float32}
+    options = {"master_dtype": jnp.float32, "clip": clip if clipped else None}
     split, _ = train(optax.adamw(1e-2), params, tmp_path / "split", 6, overlapped=False, **options)
     overlapped, stats = train(optax.adamw(1e-2), params, tmp_path / "overlap", 6, overlapped=True, **options)
     assert_same_bits(overlapped, split, "bf16 with fp32 masters")
-    assert sum(s.overlapped for s in stats) > 0 and not any(s.rolled_back for s in stats)
+    assert sum(s.overlapped for s in stats) > 0
+    assert fired_in_some(stats) if clipped else not any(s.rolled_back for s in stats), [s.rolled_back for s in stats]
 
 
 def test_with_accumulation_only_the_windows_last_backward_overlaps(tmp_path):
@@ -130,6 +135,16 @@ def test_with_accumulation_only_the_windows_last_backward_overlaps(tmp_path):
     windows_last = [stats[i] for i in (2, 5, 8)]
     assert all(s.overlap_bytes > 0 and not s.rolled_back for s in windows_last), [s.overlapped for s in windows_last]
     assert sum(s.overlapped for s in windows_last) > 0
+
+
+def test_with_accumulation_and_a_clipping_that_fires_in_some_windows(tmp_path, clip):
+    params = make_params()
+    options = {"accumulate_steps": 2, "clip": clip}
+    split, _ = train(optax.adam(1e-2), params, tmp_path / "split", 6, overlapped=False, **options)
+    overlapped, stats = train(optax.adam(1e-2), params, tmp_path / "overlap", 6, overlapped=True, **options)
+    assert_same_bits(overlapped, split, "accumulate_steps=2, clipped")
+    windows_last = stats[1::2]
+    assert fired_in_some(windows_last), [s.rolled_back for s in windows_last]
 
 
 def test_the_grads_kept_in_host_memory_stay_within_the_window(tmp_path):
@@ -183,16 +198,16 @@ def test_a_second_backward_in_one_step_and_a_flush_before_update_fall_back_exact
     assert_same_bits(p, split, "after a duplicate backward and a flush")
 
 
-def test_sharded_over_eight_devices(tmp_path):
+def test_sharded_over_eight_devices_with_a_clipping(tmp_path, clip):
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("data", "model"))
     shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = {k: jax.device_put(v, shard if v.ndim == 2 else replicated) for k, v in make_params().items()}
-    split, _ = train(optax.adamw(1e-2), params, tmp_path / "split", 4, overlapped=False)
-    overlapped, stats = train(optax.adamw(1e-2), params, tmp_path / "overlap", 4, overlapped=True)
+    split, _ = train(optax.adamw(1e-2), params, tmp_path / "split", 6, overlapped=False, clip=clip)
+    overlapped, stats = train(optax.adamw(1e-2), params, tmp_path / "overlap", 6, overlapped=True, clip=clip)
     assert_same_bits(overlapped, split, "sharded")
-    assert sum(s.overlapped for s in stats) > 0 and not any(s.rolled_back for s in stats)
+    assert sum(s.overlapped for s in stats) > 0 and fired_in_some(stats), [s.rolled_back for s in stats]
     assert all(overlapped[k].sharding.is_equivalent_to(params[k].sharding, 2 - (k[0] == "b")) for k in params)
 
 

@@ -75,8 +75,16 @@ def _unpacked_width(width: int) -> int:
     return width - 4 * -(-width // (BLOCK_SIZE + 4))
 
 
-def _mix(x: jax.Array) -> jax.Array:
-    """A 32-bit integer hash with good avalanche (the "lowbias32" finaliser)."""
+GOLDEN = np.uint32(0x9E3779B9)
+"""2^32 over the golden ratio: spreads consecutive integers (a counter, a position) over 32 bits before a hash."""
+
+
+def mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash with good avalanche (the "lowbias32" finaliser), a bijection of ``uint32``.
+
+    It makes stochastic rounding's noise here and the overlap's fingerprints of grads
+    (:mod:`jax_mlp._src.stream.arrivals`).
+    """
     x = x ^ (x >> 16)
     x = x * np.uint32(0x7FEB352D)
     x = x ^ (x >> 15)
@@ -94,8 +102,8 @@ def _stochastic_bf16(x: jax.Array, count: jax.Array, seed: int) -> jax.Array:
     """
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     column = jax.lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1)
-    salt = _mix(count.astype(jnp.uint32) * np.uint32(0x9E3779B9) ^ np.uint32(seed))
-    noise = _mix(_mix((bits >> 16) ^ salt) + column) & np.uint32(0xFFFF)
+    salt = mix32(count.astype(jnp.uint32) * GOLDEN ^ np.uint32(seed))
+    noise = mix32(mix32((bits >> 16) ^ salt) + column) & np.uint32(0xFFFF)
     rounded = jax.lax.bitcast_convert_type((bits + noise) & np.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
 

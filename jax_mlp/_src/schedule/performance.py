@@ -64,6 +64,8 @@ class Prediction(NamedTuple):
 
     ``idle_io_seconds`` is the I/O the update leaves to the idle time around it (the write-back of the
     cache, the first reads ahead): it has to fit in the forward and backward, or the update waits.
+    ``fill_seconds`` is the pipeline's fill: the first record's read (unless read ahead) before any
+    write can start, and the last record's write after its compute.
     """
 
     seconds: float
@@ -73,6 +75,7 @@ class Prediction(NamedTuple):
     path_seconds: tuple[float, ...]
     idle_write_bytes: float
     idle_io_seconds: float = 0.0
+    fill_seconds: float = 0.0
 
 
 def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
@@ -182,7 +185,7 @@ def predict(
         fill += record_bytes / min(p.read_bandwidth for p in used)
     seconds = max(max(path_seconds), compute_seconds) + fill + max(0.0, idle_seconds_needed - idle_seconds)
     return Prediction(
-        seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed
+        seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed, fill
     )
 
 
@@ -206,8 +209,11 @@ def predict_step(
     Overlapped (``offload.overlap``), the update starts with the backward, in the order its grads come,
     and the host cache keeps the records that arrive last: the same bytes move, but the step's I/O ``D``
     (all reads and writes of a step, each path with both directions at once as its ``serial`` allows)
-    runs beside the compute. During the forward only the idle-time I/O can run, so the step is
-    ``max(F, F_fwd + D - min(idle, F_fwd))``, plus the last subgroup's compute after its grads arrive.
+    runs beside the compute. During the forward only the idle-time I/O can run, and no record can be
+    written before its subgroup's grads exist: the first subgroup's come ``F_bwd / N`` into the
+    backward. So the I/O ends at ``max(F_fwd + D + fill - min(idle, F_fwd), F_fwd + F_bwd / N + W)``, with
+    ``W`` the update's own writes on the slowest path, and the step is the larger of that and ``F``,
+    plus the last subgroup's compute after its grads arrive.
 
     Args:
       paths: the paths and their bandwidths.
@@ -231,9 +237,12 @@ def predict_step(
         factor * p.seconds(read, written + idle)
         for p, read, written, idle in zip(paths, one.bytes_read, one.bytes_written, idle_writes, strict=True)
     )
+    writes = max(factor * p.seconds(0.0, written) for p, written in zip(paths, one.bytes_written, strict=True))
     forward = FORWARD_SHARE * forward_backward_seconds
+    first_grads = forward + (forward_backward_seconds - forward) / num_records
+    io = max(forward + step_io + one.fill_seconds - min(one.idle_io_seconds, forward), first_grads + writes)
     tail = update.get("compute_seconds", 0.0) / num_records
-    return max(forward_backward_seconds, forward + step_io - min(one.idle_io_seconds, forward)) + tail
+    return max(forward_backward_seconds, io) + tail
 
 
 class Variant(NamedTuple):

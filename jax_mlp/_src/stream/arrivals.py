@@ -22,18 +22,8 @@ import numpy as np
 from jax_mlp._src.plan.partition import Plan, Subgroup
 from jax_mlp._src.plan.programs import Programs, SubgroupUpdate
 from jax_mlp._src.plan.sharding import BlockKey
+from jax_mlp._src.quantized import GOLDEN, mix32
 from jax_mlp._src.stream.blocks import Blocks, UpdateBlocks
-
-_GOLDEN = np.uint32(0x9E3779B9)
-
-
-def _mix(x: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit over the output."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * np.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
 
 
 @jax.jit
@@ -47,8 +37,8 @@ def fingerprint(x: jax.Array) -> jax.Array:
     """
     bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).reshape(-1).astype(jnp.uint32)
     position = jnp.arange(bits.size, dtype=jnp.uint32)
-    summed = jnp.sum(_mix(bits ^ (position * _GOLDEN)), dtype=jnp.uint32)
-    xored = jax.lax.reduce(_mix(_mix(bits + position) ^ _GOLDEN), np.uint32(0), jax.lax.bitwise_xor, (0,))
+    summed = jnp.sum(mix32(bits ^ (position * GOLDEN)), dtype=jnp.uint32)
+    xored = jax.lax.reduce(mix32(mix32(bits + position) ^ GOLDEN), np.uint32(0), jax.lax.bitwise_xor, (0,))
     return jnp.stack([summed, xored])
 
 
