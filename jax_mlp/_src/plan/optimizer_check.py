@@ -54,9 +54,8 @@ class OptimizerCheck(NamedTuple):
 
     whole_leaves: frozenset[int]  # leaves (in tree_leaves order) that must not be row-split
     seconds: float  # time the check took
-    reads_params: (
-        bool  # whether inner.update reads the params: its outputs depend on them (adamw's decay) or it asks for them
-    )
+    # whether inner.update reads the params: its outputs depend on them (adamw's decay), or it asks for them
+    reads_params: bool
 
 
 class _Traced(NamedTuple):
@@ -98,10 +97,11 @@ def check_optimizer(
       OffloadError: the optimizer draws random numbers or keeps a PRNG key, or it cannot be traced.
     """
     start = time.perf_counter()
-    traced = _trace(optax.with_extra_args_support(inner), params, master_dtype, dict(extra_args or {}))
+    extended = optax.with_extra_args_support(inner)
+    traced = _trace(extended, params, master_dtype, dict(extra_args or {}))
     owner = _state_owners(inner, traced)
     whole = _row_coupled(traced, owner)
-    reads = _reads_params(traced) or _demands_params(optax.with_extra_args_support(inner), traced, extra_args)
+    reads = _reads_params(traced) or _demands_params(extended, traced, extra_args)
     return OptimizerCheck(whole, time.perf_counter() - start, reads)
 
 
