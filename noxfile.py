@@ -20,10 +20,16 @@ def tests(session: nox.Session) -> None:
 
     The suite is mostly child processes and waits on them (training runs, killed peers, timeouts), so
     two workers on a 2-core machine finish it in about 60% of the time one takes. More than four
-    workers would hold 9 fake devices each for little gain.
+    workers would hold 9 fake devices each for little gain. By default the tests marked ``alone``
+    (the scheduler on kernel-throttled devices, whose updates it times) run afterwards in one process:
+    beside another worker's training they saw its noise as a change of the paths.
     """
     session.install(".[test]")
-    session.run("pytest", *(session.posargs or ["-q", "-n", "auto", "--maxprocesses", "4"]))
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    session.run("pytest", "-q", "-n", "auto", "--maxprocesses", "4", "-m", "not alone")
+    session.run("pytest", "-q", "-m", "alone")
 
 
 @nox.session

@@ -62,6 +62,7 @@ def test_the_harness_throttles_direct_writes(throttled):
     assert time.monotonic() - start >= 1.3, "32 MiB at 20 MB/s take 1.68 s, less what a burst lets through"
 
 
+@pytest.mark.alone
 def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_and_slow, tmp_path):
     """The thrashing seen on kernel-throttled devices: a path with few records looked fast (a burst after each
     pause) and got them back, every update (main's scheduler moved 10-22 subgroups every other update here). The
