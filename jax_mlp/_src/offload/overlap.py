@@ -322,10 +322,10 @@ class Overlap:
 
         Dispatch is asynchronous: ``update`` may be called before the backward has run, or even begun.
         When a round could still start, it waits for the grads: by then every callback of their program
-        has been made.
+        has been made. No round can start before a loss has applied the overlap: then nothing is waited for.
         """
         with self._lock:
-            round_, armed = self._round, self._basis is not None
+            round_, armed = self._round, self._basis is not None and self._used
         if round_ is None and armed:
             jax.block_until_ready([blocks.grads[key] for keys in self._keys_of for key in keys])
         with self._lock:
