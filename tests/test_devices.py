@@ -88,7 +88,8 @@ def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_an
     assert sum(moves) > 0, "the equal starting split does not fit paths 4 times apart"
     # Updates of 0.2 s on a shared machine: a throttle's bursts can stay away for a few updates in a row, which looks
     # like a change of the path and moves a few records (2-5 in the last 5 updates, in about 1 run in 20). Thrashing
-    # moved 43-55 in the last 5 updates here.
+    # moved 43-55 in the last 5 updates here; a fallback onto the slow path (its 3 records moved inside its bursts, so
+    # it looked the faster) moved 29 in one update, and one onto the fast path, for a model 20% short, moved 2.
     assert sum(moves[-5:]) <= records // 4 and not scheduler.fallback, f"settled before the last 5 updates: {moves}"
     assert sum(moves) <= records, f"no more moves in all than subgroups: {moves}"
     for k in range(records):

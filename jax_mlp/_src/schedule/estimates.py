@@ -118,6 +118,10 @@ class PathEstimate:
         """Whether ``kind`` (read or write) has enough measurements to be trusted: one since a change."""
         return len(self.samples[kind]) >= (1 if self.since_change[kind] else MIN_SAMPLES)
 
+    def largest(self, kind: str) -> int:
+        """The most bytes of ``kind`` (read or write) one update in the window moved: 0 if none."""
+        return max((nbytes for nbytes, _ in self.samples[kind]), default=0)
+
     def fitted(self, kind: str) -> bool:
         """Whether ``kind``'s loads have differed enough, now or before, to tell its rate from its burst."""
         return self.credit[kind] is not None
