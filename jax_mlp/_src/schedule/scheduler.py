@@ -310,7 +310,7 @@ class Scheduler:
 
         One path's update is predicted as its I/O time plus the update's time not spent waiting on
         I/O, as if none of them overlapped: an upper bound, so a fallback is never for a small error.
-        Only the paths that carried loads near the whole (:meth:`_carriers`) are predicted alone.
+        Only the paths measured at an even split's load or more (:meth:`_carriers`) are predicted alone.
         """
         alone = {
             i: loads.seconds(speeds, [i] * len(self.placement), [i] * len(self.placement))
