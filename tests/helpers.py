@@ -268,18 +268,30 @@ def assert_same_bits(actual: Any, expected: Any, what: str = "") -> None:
         np.testing.assert_array_equal(_bits(a), _bits(e), err_msg=what)
 
 
-def assert_bf16_within_ulp(actual: Any, expected: Any, what: str = "") -> None:
-    """Asserts the bf16 bound: at most ``BF16_MAX_ULPS`` apart, on at most ``BF16_MAX_DIFFERING`` of the elements.
+def bf16_distance(actual: Any, expected: Any) -> tuple[int, int, int]:
+    """The worst distance in bf16 ulps between two trees of bf16 leaves, the elements that differ, and all elements.
 
-    The distance is that of the bits as unsigned integers: a sign flip is never one ulp. Prints the
-    measured worst distance and fraction, for the docs' figures.
+    The distance is that of the bits as unsigned integers: a sign flip is never one ulp.
     """
     worst = differing = total = 0
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert np.asarray(a).dtype == np.asarray(e).dtype == jnp.bfloat16, (what, np.asarray(a).dtype)
+        assert np.asarray(a).dtype == np.asarray(e).dtype == jnp.bfloat16, np.asarray(a).dtype
         distance = np.abs(_bits(a).astype(np.int64) - _bits(e).astype(np.int64))
         worst = max(worst, int(distance.max(initial=0)))
         differing, total = differing + int(np.count_nonzero(distance)), total + distance.size
+    return worst, differing, total
+
+
+def assert_bf16_within_ulp(actual: Any, expected: Any, what: str = "") -> None:
+    """Asserts the bf16 bound between two trees of bf16 leaves: see :func:`assert_bf16_bound`."""
+    assert_bf16_bound(bf16_distance(actual, expected), what)
+
+
+def assert_bf16_bound(distance: tuple[int, int, int], what: str = "") -> None:
+    """Asserts the bf16 bound on a :func:`bf16_distance`: at most ``BF16_MAX_ULPS`` apart, on at most
+    ``BF16_MAX_DIFFERING`` of the elements. Prints the measured worst distance and fraction, for the docs' figures.
+    """
+    worst, differing, total = distance
     print(f"{what}: at most {worst} ulp apart, on {differing / total:.3%} of the elements")
     assert worst <= BF16_MAX_ULPS, f"{what}: a param is {worst} bf16 ulps from the reference"
     assert differing <= BF16_MAX_DIFFERING * total, f"{what}: {differing} of {total} params differ from the reference"

@@ -5,14 +5,26 @@ offload that uses it.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_bf16_within_ulp, assert_same_bits, decay_mask, grads_at, load_module, make_params, train
+from helpers import (
+    assert_bf16_bound,
+    assert_same_bits,
+    bf16_distance,
+    decay_mask,
+    grads_at,
+    load_module,
+    make_params,
+    train,
+)
 
 import jax_mlp
 from jax_mlp._src.plan import remainders
@@ -264,9 +276,15 @@ def test_params_changed_between_steps(storage, paths):
         assert_same_bits(after, params, "the full master snaps the params back")
 
 
-def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_both_routes(tmp_path):
-    """``examples/train_gpt.py``'s model in bf16, adamw with its schedule: the update route and the
-    fused apply, fed the same grads as optax on an fp32 master in memory (params its bf16 cast)."""
+def _gpt_against_the_in_memory_scheme(out: pathlib.Path) -> None:
+    """Trains ``examples/train_gpt.py``'s model in bf16 100 steps three ways, fed the same grads: optax on an fp32
+    master in memory (params its bf16 cast), the offload's update route and its fused apply. Writes the
+    :func:`bf16_distance` of each route from the in-memory params, and how far the params moved, to ``out``.
+
+    The grads are those of the in-memory params, so the trajectory is optax's own: neither route's
+    last-bit differences feed back into it. Run in a process of its own
+    (:func:`test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_both_routes`).
+    """
     from flax import nnx
 
     gpt = load_module(pathlib.Path(__file__).parents[1] / "examples" / "train_gpt.py")
@@ -289,15 +307,15 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
     reference_update = jax.jit(inner.update)
     options = dict(subgroup_size="8KiB", host_cache="16KiB", master_dtype=jnp.float32, master_storage="remainder")
     with (
-        jax_mlp.mlp_offload(inner, paths=[tmp_path / "update"], **options) as by_update,
-        jax_mlp.mlp_offload(inner, paths=[tmp_path / "apply"], **options) as by_apply,
+        jax_mlp.mlp_offload(inner, paths=[out.parent / "update"], **options) as by_update,
+        jax_mlp.mlp_offload(inner, paths=[out.parent / "apply"], **options) as by_apply,
     ):
         update_state, apply_state = by_update.init(params), by_apply.init(params)
-        applied = jax.tree.map(jnp.copy, params)
+        updated, applied = params, jax.tree.map(jnp.copy, params)
         for _ in range(args.steps):
-            grads = grads_of(params, *batches.next())
-            updates, update_state = by_update.update(grads, update_state, params)
-            params = optax.apply_updates(params, updates)
+            grads = grads_of(jax.tree.map(lambda m: m.astype(jnp.bfloat16), master), *batches.next())
+            updates, update_state = by_update.update(grads, update_state, updated)
+            updated = optax.apply_updates(updated, updates)
             applied, apply_state = by_apply.apply(jax.tree.map(jnp.copy, grads), apply_state, applied)
             updates, reference_state = reference_update(
                 jax.tree.map(lambda g: g.astype(jnp.float32), grads), reference_state, master
@@ -306,15 +324,41 @@ def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_b
     expected = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
     moved = max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        for a, b in zip(
-            jax.tree.leaves(params),
-            jax.tree.leaves(jax.tree.map(lambda p: p.astype(jnp.float32), nnx.to_pure_dict(state))),
-            strict=True,
-        )
+        for a, b in zip(jax.tree.leaves(updated), jax.tree.leaves(params), strict=True)
     )
-    assert moved > 0.01, "the params must move for the comparison to mean anything"
-    assert_bf16_within_ulp(params, expected, "update + apply_updates against the in-memory scheme")
-    assert_bf16_within_ulp(applied, expected, "fused apply against the in-memory scheme")
+    distances = {"update": bf16_distance(updated, expected), "apply": bf16_distance(applied, expected)}
+    out.write_text(json.dumps({"moved": moved, **distances}))
+
+
+def test_a_gpt_trains_100_steps_within_one_ulp_of_the_in_memory_scheme_through_both_routes(tmp_path):
+    """``examples/train_gpt.py``'s model in bf16, adamw with its schedule: the update route and the fused apply
+    against optax on an fp32 master in memory, fed the same grads.
+
+    A bf16 ulp at a master near zero is far below the last-bit differences XLA's fusion leaves
+    between a subgroup's program and optax's program over the whole tree (its division rewrites
+    depend on how many leaves share the bias correction), so whether some element ends 2 ulps off
+    depends on the trajectory: on which masters pass near zero. The trajectory follows the bits of
+    the model's bf16 matmuls, and those depended on what ran before in the same process (on a Xeon
+    with AMX, where XLA hands bf16 dots to oneDNN, 2 runs of 3 in the suite ended 2 ulps off while
+    the test alone passed). So it runs in a process of its own, without the suite's shared
+    compilation cache: the same trajectory, whatever ran before.
+    """
+    out = tmp_path / "distances.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    script = f"import pathlib, test_remainders; test_remainders._gpt_against_the_in_memory_scheme(pathlib.Path({str(out)!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=pathlib.Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["moved"] > 0.01, "the params must move for the comparison to mean anything"
+    assert_bf16_bound(tuple(result["update"]), "update + apply_updates against the in-memory scheme")
+    assert_bf16_bound(tuple(result["apply"]), "fused apply against the in-memory scheme")
 
 
 def test_tiers_of_full_masters_resume_as_full_and_are_refused_as_remainders(paths):
