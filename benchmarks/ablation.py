@@ -148,7 +148,7 @@ class Runner:
         self.tx = jax_mlp.mlp_offload(inner, subgroup_size=subgroup_size, **options)
         self.state = self.tx.init(params)
         self.caps = [getattr(path, "max_read", None) for path in options["paths"]]
-        self.record_bytes = [HEADER_SIZE + sg.layout.nbytes for sg in self.tx.offloader.plan.subgroups]
+        self.record_bytes = [HEADER_SIZE + sg.layout.nbytes for sg in self.tx.plan.subgroups]
         self.times: list[float] = []
         self.stats: list[dict] = []
         self.io_bounds: list[float] = []
@@ -235,7 +235,7 @@ class Placement(NamedTuple):
 
 def _placement_of(tx: jax_mlp.OffloadTransformation) -> Placement:
     """The one place that reads the scheduler's placement."""
-    return Placement(list(tx.offloader.scheduler.shares), tx.offloader.scheduler.moves)
+    return Placement(list(tx.scheduler.shares), tx.scheduler.moves)
 
 
 def floor_runners(args: argparse.Namespace, root: str, params: dict, state_bytes: int) -> dict[str, Runner]:
@@ -362,7 +362,7 @@ def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
     tiers = tiers_of(args)
     floors = floor_runners(args, root, params, tiers.state_bytes)
     runners = row_runners(args, root, params, tiers)
-    plan = runners[0][1].tx.offloader.plan
+    plan = runners[0][1].tx.plan
     step_interleaved([*floors.values(), *(runner for _, runner in runners)], args.iterations, args.idle)
     compute_seconds = {codec: statistics.median(floor.times[1:]) for codec, floor in floors.items()}
     for floor in floors.values():
@@ -384,11 +384,11 @@ def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_sec
     fast, slow = capped_paths(f"{root}/rebalance", tiers)
     options = options_for(model.ABLATION[-1], fast, slow, tiers.cache, args.depth)
     runner = Runner("rebalance", params, args.subgroup_size, **options)
-    plan = runner.tx.offloader.plan
+    plan = runner.tx.plan
     placements = []
     for iteration in range(10):
         if iteration == 4:
-            runner.tx.offloader.set_caps(1, max_read=tiers.slow_cap / 4, max_write=tiers.slow_cap / 4)
+            runner.tx.set_caps(1, max_read=tiers.slow_cap / 4, max_write=tiers.slow_cap / 4)
         runner.step()
         placements.append(_placement_of(runner.tx))
         time.sleep(args.idle)
@@ -523,7 +523,7 @@ def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tu
     with real_runners(args, params, tiers, pair, REAL_VARIANTS) as (_, floor, runners):
         step_interleaved([floor, *runners.values()], args.iterations, args.idle)
     compute = statistics.median(floor.times[1:])
-    plan = floor.tx.offloader.plan
+    plan = floor.tx.plan
     rows = {
         name: real_row(runner, REAL_VARIANTS[name], pair, plan, tiers, compute, args.idle)
         for name, runner in runners.items()

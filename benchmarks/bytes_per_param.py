@@ -51,7 +51,7 @@ def measure(params: Any, codec: str, directory: pathlib.Path, **options: Any) ->
     result = {
         "read_per_param": sum(stats.bytes_read.values()) / count,
         "written_per_param": sum(stats.bytes_written.values()) / count,
-        "stored_per_param": tx.offloader.plan.state_nbytes / count,
+        "stored_per_param": tx.plan.state_nbytes / count,
     }
     tx.close(delete=True)
     return result

@@ -311,7 +311,7 @@ def offloaded_update(args: argparse.Namespace, root: str, params: dict) -> tuple
         idle_prefetch=False,
     )
     state = tx.init(params)
-    plan = tx.offloader.plan
+    plan = tx.plan
     record_bytes = max(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
     raw = RawDisk(
         os.path.join(root, "raw"), plan.state_nbytes + HEADER_SIZE * len(plan.subgroups), record_bytes, args.threads

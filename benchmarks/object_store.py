@@ -107,7 +107,7 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
     params = make_params(parse_size(args.state), config.subgroup_size)
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[jax_mlp.Path({**spec, "path": spec["path"] + "run/"})], **options)
     state = tx.init(params)
-    records = [sg.layout.nbytes for sg in tx.offloader.plan.subgroups]
+    records = [sg.layout.nbytes for sg in tx.plan.subgroups]
     rows = []
     for step in range(args.updates + 1):
         raw = raw_round(spec, records, config.store_timeout)
@@ -144,7 +144,7 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
         "server": name,
         "records": len(records),
         "record_bytes": max(records),
-        "state_bytes": tx.offloader.plan.state_nbytes,
+        "state_bytes": tx.plan.state_nbytes,
         "median_ratio_to_io_bound": statistics.median(r["ratio_to_io_bound"] for r in measured),
         "median_ratio_to_io_bound_at_once": statistics.median(r["ratio_to_io_bound_at_once"] for r in measured),
         "updates": rows,

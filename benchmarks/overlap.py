@@ -159,7 +159,7 @@ def train(path: jax_mlp.Path, root: str, params: list, rows: int, steps: int, ca
         "overlapped": [s.overlapped for s in stats],
         "rolled_back": sum(s.rolled_back for s in stats),
         "peak_rss": rss.peak,
-        "num_records": len(offload.offloader.plan.subgroups),
+        "num_records": len(offload.plan.subgroups),
     }
 
 

@@ -44,7 +44,7 @@ def modules_entered() -> list[str]:
             grads = jax.tree.map(lambda p: p * 0.1, params)
             for _ in range(2):
                 _, state = offload.update(grads, state, params)
-            offloader = offload.offloader
+            offloader = offload
             offloader.flush()
             sys.setprofile(profile)
             recording = True

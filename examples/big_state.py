@@ -210,7 +210,7 @@ def train(args: argparse.Namespace, sizes: Sizes, paths: list[str], *, temporary
     try:
         with warmup:
             state = offload.init(params)
-        print_setup(args, sizes, offload.offloader.plan, len(paths), tuned=tuned)
+        print_setup(args, sizes, offload.plan, len(paths), tuned=tuned)
         for step in range(args.steps):
             with warmup if step == 0 else steady:
                 updates, state = offload.update(grads, state, params)
@@ -224,7 +224,7 @@ def train(args: argparse.Namespace, sizes: Sizes, paths: list[str], *, temporary
                 f"step {step + 1}: loss {losses[-1]:.5f}, update {offload.stats.seconds:.2f} s, "
                 f"peak RSS {jax_mlp.format_bytes((warmup if step == 0 else steady).peak)}"
             )
-        plan = offload.offloader.plan
+        plan = offload.plan
         return Measured(rss_before, warmup.peak, steady.peak or warmup.peak, losses, plan.state_nbytes, offload.stats)
     finally:
         offload.close(delete=temporary)

@@ -423,7 +423,7 @@ def train_offloaded(args: argparse.Namespace, tokens: np.ndarray) -> Offloaded:
             log_to=args.log_to,
         )
         try:
-            return Offloaded(train(args, tokens, offload), offload.stats, offload.offloader.plan)
+            return Offloaded(train(args, tokens, offload), offload.stats, offload.plan)
         finally:
             offload.close(delete=temporary)
 

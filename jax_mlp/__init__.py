@@ -7,21 +7,19 @@ may change at any time.
 """
 
 import importlib as _importlib
+import warnings as _warnings
 
-from jax_mlp._src import deprecated as _deprecated
 from jax_mlp._src.checkpoint.handler import OffloadCheckpointHandler, OffloadRestore, OffloadSave
 from jax_mlp._src.checkpoint.layout import standard_layout
-from jax_mlp._src.checkpoint.params import restore_params
-from jax_mlp._src.config import OffloadConfig, Path
+from jax_mlp._src.config import OffloadConfig, OffloadOptions, Path
 from jax_mlp._src.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
-from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.parsing import format_bytes, parse_rate, parse_size
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.quantized import QuantizedState, quantized_state
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stats import IOEvent, UpdateStats
 from jax_mlp._src.storage.tier_stack import Pin
-from jax_mlp._src.transform import OffloadTransformation, mlp_offload
+from jax_mlp._src.transform import OffloadTransformation, mlp_offload, restore_params
 
 __all__ = [
     "CoupledOptimizerError",
@@ -29,11 +27,11 @@ __all__ = [
     "OffloadCheckpointHandler",
     "OffloadConfig",
     "OffloadError",
+    "OffloadOptions",
     "OffloadRestore",
     "OffloadSave",
     "OffloadState",
     "OffloadTransformation",
-    "Offloader",
     "Path",
     "PathError",
     "PathInUseError",
@@ -52,16 +50,29 @@ __all__ = [
     "standard_layout",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
-_deprecated.install()
 for _name in __all__:  # tracebacks, reprs and help() name the public path: jax_mlp.OffloadError, not jax_mlp._src...
     globals()[_name].__module__ = __name__
 
 
+# Names removed from the face, each with its replacement and the release that drops it (CHANGELOG.md).
+_DEPRECATED = {
+    "Offloader": (
+        "jax_mlp.Offloader is deprecated and goes in 0.4 (after 2027-06-01): the object mlp_offload returns is the "
+        "one handle (update, apply, overlap, flush, close, stats, pin, plan, scheduler, ...)",
+        "jax_mlp._src.offload.offloader",
+    ),
+}
+
+
 def __getattr__(name: str):
-    """The public namespaces, imported on first use (``report`` needs matplotlib); the flat layout's module paths
-    (``jax_mlp.partition``, ...), deprecated (see ``_src/deprecated.py``)."""
-    if name in ("quantized", "report") or f"jax_mlp.{name}" in _deprecated.MOVED:
+    """The public namespaces ``quantized`` and ``report``, imported on first use (``report`` needs matplotlib), and
+    the deprecated names, with a ``DeprecationWarning``."""
+    if name in ("quantized", "report"):
         return _importlib.import_module(f"jax_mlp.{name}")
+    if name in _DEPRECATED:
+        message, module = _DEPRECATED[name]
+        _warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return getattr(_importlib.import_module(module), name)
     raise AttributeError(f"module 'jax_mlp' has no attribute {name!r}")

@@ -45,7 +45,7 @@ def offloaded(params, paths, *, inner=adamw, reopen_at=None, **options):
             params, _, _ = run_calls(tx, params, range(reopen_at))
     with jax_mlp.mlp_offload(inner(), paths=paths, resume=reopen_at is not None, **options) as tx:
         params, _, _ = run_calls(tx, params, range(reopen_at or 0, CALLS))
-        assert tx.offloader.step == CALLS // K
+        assert tx.step == CALLS // K
     return params
 
 
@@ -95,12 +95,12 @@ def test_micro_steps_return_zeros_and_touch_no_storage(tmp_path):
         for updates in history:
             for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
                 assert u.dtype == jnp.float32 and u.shape == p.shape and not np.asarray(u).any()
-        assert int(state.step) == 1 and int(state.mini_step) == K - 1 and tx.offloader.step == 1
+        assert int(state.step) == 1 and int(state.mini_step) == K - 1 and tx.step == 1
         assert tx.stats is stats, "a micro-step produced stats"
         run_calls(tx, params, [2 * K - 1], state=state)
-        assert tx.offloader.step == 2 and tx.stats.step == 2
+        assert tx.step == 2 and tx.stats.step == 2
         # The update's stats count the I/O since the last update: the micro-steps' would show beyond its own.
-        subgroups = tx.offloader.plan.subgroups
+        subgroups = tx.plan.subgroups
         assert sum(tx.stats.bytes_read.values()) == sum(HEADER_SIZE + sg.layout.nbytes for sg in subgroups)
         assert sum(tx.stats.bytes_written.values()) == sum(tx.stats.bytes_read.values())
         assert tx.stats.cache_hits == 0 and tx.stats.cache_misses == len(subgroups)
@@ -108,7 +108,7 @@ def test_micro_steps_return_zeros_and_touch_no_storage(tmp_path):
 
 def wait_for_idle_write_back(tx, timeout=60.0):
     deadline = time.monotonic() + timeout
-    while not tx.offloader.idle_io_done:
+    while not tx.idle_io_done:
         assert time.monotonic() < deadline, "the idle-time write-back did not drain"
         time.sleep(0.01)
 
@@ -134,7 +134,7 @@ def per_update_traffic(tmp_path, name, steps):
         state, rows = tx.init(params), []
         for call in range(4 * steps):
             wait_for_idle_write_back(tx)
-            read_ahead = len(tx.offloader.prefetched)
+            read_ahead = len(tx.prefetched)
             params, state = train(tx, params, state, [call])
             if call % steps == steps - 1:
                 stats = tx.stats
@@ -164,7 +164,7 @@ def test_accumulation_inside_jit_is_refused_and_leaves_the_run_intact(tmp_path):
         ):
             jax.jit(tx.update)(grads_at(params, 0), state, params)
         _, state = tx.update(grads_at(params, 0), state, params)
-        assert int(state.mini_step) == 1 and tx.offloader.step == 0
+        assert int(state.mini_step) == 1 and tx.step == 0
 
 
 def multisteps_around(offload, params):
@@ -184,14 +184,14 @@ def test_multisteps_around_mlp_offload_is_refused_at_its_first_call(tmp_path, me
     with jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "init"]) as offload:
         with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
             optax.MultiSteps(optax.chain(optax.clip(1.0), offload), every_k_schedule=2).init(params)
-        assert offload.offloader.plan is None and not (tmp_path / "init").exists(), "init wrote before refusing"
+        assert offload.plan is None and not (tmp_path / "init").exists(), "init wrote before refusing"
 
     with jax_mlp.mlp_offload(adamw(), paths=[tmp_path / "update"]) as offload:
         tx, state = multisteps_around(offload, params)
         for update in (tx.update, jax.jit(tx.update)):
             with pytest.raises(OffloadError, match=r"optax.MultiSteps cannot wrap mlp_offload.*accumulate_steps=k"):
                 update(grads_at(params, 0), state, params)
-        assert offload.offloader.step == 0 and offload.stats.step == 0
+        assert offload.step == 0 and offload.stats.step == 0
 
 
 def test_accumulation_options_and_states_are_checked(tmp_path):
@@ -221,7 +221,7 @@ def test_sharded_accumulation_keeps_shardings(tmp_path):
     expected, _, _ = run_calls(optax.MultiSteps(adamw(), every_k_schedule=K), params, window)
     with jax_mlp.mlp_offload(adamw(), paths=[tmp_path], subgroup_size=SUBGROUP, accumulate_steps=K) as tx:
         got, state, history = run_calls(tx, params, window)
-        assert tx.offloader.step == 2
+        assert tx.step == 2
     for tree in (got, state.acc_grads, history[0], history[K - 1]):
         for x, p in zip(jax.tree.leaves(tree), jax.tree.leaves(params), strict=True):
             assert x.sharding.is_equivalent_to(p.sharding, p.ndim), (x.sharding, p.sharding)

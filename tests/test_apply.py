@@ -36,7 +36,7 @@ def _both_routes(inner, params, tmp_path, steps=STEPS, **options):
     ):
         p_update, p_apply = params, _copy(params)
         s_update, s_apply = by_update.init(p_update), by_apply.init(p_apply)
-        assert any(p.rows is not None for sg in by_apply.offloader.plan.subgroups for p in sg.pieces)
+        assert any(p.rows is not None for sg in by_apply.plan.subgroups for p in sg.pieces)
         p_update, s_update = train(by_update, p_update, s_update, range(steps))
         p_apply, s_apply = train(by_apply, p_apply, s_apply, range(steps), apply=True)
         assert int(s_apply.step) == int(s_update.step) == steps
@@ -72,9 +72,9 @@ def test_bf16_apply_is_the_master_cast_bitwise_as_update_plus_apply_updates(stor
         assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(p_apply))
         assert_same_bits(p_apply, p_update)
         leaves = jax.tree.leaves(p_apply)
-        pin = tx.offloader.pin()
-        for subgroup in tx.offloader.plan.subgroups:  # apply writes exactly the new master's cast
-            _, master = tx.offloader.read_pinned(pin, subgroup.index)
+        pin = tx.pin()
+        for subgroup in tx.plan.subgroups:  # apply writes exactly the new master's cast
+            _, master = tx.read_pinned(pin, subgroup.index)
             for piece, value in zip(subgroup.pieces, master, strict=True):
                 leaf = np.asarray(leaves[piece.leaf])
                 got = leaf if piece.rows is None else leaf[piece.rows[0] : piece.rows[1]]
@@ -157,7 +157,7 @@ def test_a_failed_apply_leaves_the_step_intact_and_restore_params_gives_the_para
                     with pytest.raises(jax_mlp.PathError, match="is full"):
                         tx.apply(grads_at(params, step), state, params)
                     fault.clear()
-                    assert tx.offloader.step == step and any(x.is_deleted() for x in jax.tree.leaves(params))
+                    assert tx.step == step and any(x.is_deleted() for x in jax.tree.leaves(params))
                     params = jax_mlp.restore_params(tx, like)
                 params, state = tx.apply(grads_at(params, step), state, params)
             tx.close(delete=True)

@@ -105,7 +105,7 @@ def test_with_a_cache_larger_than_the_state_the_second_update_reads_nothing(path
         for step in range(2):
             _, state = tx.update(grads_at(params, step), state, params)
         assert sum(tx.stats.bytes_read.values()) == 0
-        assert tx.stats.cache_hits == len(tx.offloader.plan.subgroups)
+        assert tx.stats.cache_hits == len(tx.plan.subgroups)
         tx.flush()
 
 

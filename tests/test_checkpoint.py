@@ -28,6 +28,7 @@ from helpers import (
 )
 
 import jax_mlp
+from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.plan import remainders
 from jax_mlp._src.storage.paths import PathStore
 
@@ -93,7 +94,7 @@ def test_a_checkpoint_restores_in_a_new_process_bitwise_and_into_and_from_plain_
         ocp.CheckpointManager(tmp_path / "offloaded") as manager,
     ):
         state = tx.init(params)
-        assert any(p.rows is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces), "a leaf is split"
+        assert any(p.rows is not None for sg in tx.plan.subgroups for p in sg.pieces), "a leaf is split"
         params, state = train(tx, params, state, range(5))
         args = ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx))
         manager.save(5, args=args)
@@ -197,10 +198,8 @@ def test_a_plain_checkpoint_needs_param_values_to_start_master_params(tmp_path):
             manager.restore(0, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(tx, params)))
         # The masters started from the params: their remainders are zero. Only the high halves (the
         # params) are not in the tiers, so they cannot give the params back.
-        pin = tx.offloader.pin()
-        assert not any(
-            np.any(m) for sg in tx.offloader.plan.subgroups for m in tx.offloader.read_pinned(pin, sg.index)[1]
-        )
+        pin = tx.pin()
+        assert not any(np.any(m) for sg in tx.plan.subgroups for m in tx.read_pinned(pin, sg.index)[1])
         with pytest.raises(jax_mlp.OffloadError, match=r"remainders.*master_storage='full' to resume"):
             jax_mlp.restore_params(tx, params)
 
@@ -232,9 +231,9 @@ def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path,
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path / "a"], subgroup_size="16KiB") as tx:
         state = tx.init(params)
         params, state = train(tx, params, state, range(3))
-        num_subgroups = len(tx.offloader.plan.subgroups)
+        num_subgroups = len(tx.plan.subgroups)
         read_done, writes = {}, []
-        original_read, original_write = jax_mlp.Offloader.read_pinned, PathStore.write
+        original_read, original_write = Offloader.read_pinned, PathStore.write
 
         def slow_read(self, pin, index):
             time.sleep(0.1)  # a slow save: 24 records on 2 reader threads take 1.2 s or more
@@ -246,7 +245,7 @@ def test_an_async_save_runs_beside_training_and_holds_exactly_its_step(tmp_path,
             writes.append((subgroup, slot, time.perf_counter()))
             return original_write(self, subgroup, slot, record)
 
-        monkeypatch.setattr(jax_mlp.Offloader, "read_pinned", slow_read)
+        monkeypatch.setattr(Offloader, "read_pinned", slow_read)
         monkeypatch.setattr(PathStore, "write", logged_write)
         with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
             save_started = time.perf_counter()
@@ -326,10 +325,10 @@ MEMORY = textwrap.dedent(
         lambda: manager.restore(2, args=ocp.args.Composite(opt_state=jax_mlp.OffloadRestore(fresh, like)))
     )
     assert int(restored["opt_state"].step) == 2
-    pieces = [p for sg in fresh.offloader.plan.subgroups for p in sg.pieces]
+    pieces = [p for sg in fresh.plan.subgroups for p in sg.pieces]
     assert any(p.shard is not None for p in pieces) == (sys.argv[3] == "sharded")
     print(json.dumps({"updates": updates, "save": save_rise, "restore": restore_rise,
-                      "state_bytes": fresh.offloader.plan.state_nbytes}))
+                      "state_bytes": fresh.plan.state_nbytes}))
     fresh.close(delete=True)
     """
 )

@@ -28,7 +28,7 @@ LITERALS = {
     "order": config.Order,
     "flush": config.Flush,
     "placement": config.Placement,
-    "transfer": config.Transfer,
+    "transfer": config.TransferChoice,
     "master_storage": config.MasterStorage,
 }
 

@@ -46,6 +46,7 @@ CHILD = textwrap.dedent(
     import json, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     import jax_mlp
+    from jax_mlp._src.offload.offloader import Offloader
     from jax_mlp._src.stream.engine import Engine
     from jax_mlp._src.storage.paths import PathStore
     from jax_mlp._src.storage.tier_stack import TierStack
@@ -54,7 +55,7 @@ CHILD = textwrap.dedent(
 
     root, point = sys.argv[2], sys.argv[3]
     calls, updating = [], []
-    fetch, run, write, update = TierStack.fetch, Engine.pipeline, PathStore.write, jax_mlp.Offloader.update
+    fetch, run, write, update = TierStack.fetch, Engine.pipeline, PathStore.write, Offloader.update
 
     def die(**where):
         with open(f"{root}/killed.json", "w") as f:
@@ -62,7 +63,7 @@ CHILD = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     def in_update(self, *args, **kwargs):
-        updating.append(self.step)
+        updating.append(self.live.stream.step)
         try:
             return update(self, *args, **kwargs)
         finally:
@@ -89,7 +90,7 @@ CHILD = textwrap.dedent(
         # "write": a record of step KILLED_AT + 1 inside update KILLED_AT; "writeback": a dirty cached
         # record of step KILLED_AT written back in the idle time after the update that made it.
         during = updating == [KILLED_AT] and slot == (KILLED_AT + 1) % 2
-        idle = tx.offloader.step == KILLED_AT and slot == KILLED_AT % 2  # update 5 is done computing
+        idle = tx.step == KILLED_AT and slot == KILLED_AT % 2  # update 5 is done computing
         if (point == "write" and during) or (point == "writeback" and idle):
             calls.append(subgroup)
             if len(calls) == (subgroups // 2 if point == "write" else 1):
@@ -99,7 +100,7 @@ CHILD = textwrap.dedent(
                 die(subgroup=subgroup, path=self.root, slot=slot, written=len(calls) - 1)
         return write(self, subgroup, slot, record)
 
-    jax_mlp.Offloader.update = in_update
+    Offloader.update = in_update
     TierStack.fetch, Engine.pipeline, PathStore.write = {
         "read": (reading, run, write),
         "compute": (fetch, running, write),
@@ -108,7 +109,7 @@ CHILD = textwrap.dedent(
     }[point]
     tx = jax_mlp.mlp_offload(INNER, paths=[f"{root}/nvme", f"{root}/pfs"], **OPTIONS)
     state = tx.init(make_params(dtype="bfloat16"))
-    subgroups = len(tx.offloader.plan.subgroups)
+    subgroups = len(tx.plan.subgroups)
     train(tx, make_params(dtype="bfloat16"), state, range(STEPS))
     print("the kill point was never reached")
     """
@@ -156,7 +157,7 @@ def test_kill_9_during_an_update_resumes_from_the_tiers_bitwise(point, killed, u
         if "path" in where:  # the half-written record is there, and its checksum rejects it
             torn = open_path(jax_mlp.Path(where["path"]))
             assert (Path(torn.directory) / f"sg{where['subgroup']:06d}.{where['slot']}" / "zarr.json").exists()
-            assert torn.verified_step(where["subgroup"], where["slot"], tx.offloader.plan.layout_hash) is None
+            assert torn.verified_step(where["subgroup"], where["slot"], tx.plan.layout_hash) is None
         params = jax_mlp.restore_params(tx, like)
         params, _ = train(tx, params, state, range(step, STEPS))  # the data restarts at the resumed step
     assert_same_bits(params, uninterrupted, f"killed at {where}")
@@ -221,10 +222,11 @@ KILL_IN_RECIPE = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import orbax.checkpoint as ocp
     import jax_mlp
+    from jax_mlp._src.offload.offloader import Offloader
     from jax_mlp._src.storage.paths import PathStore
     from test_crash import RECIPE, RECIPE_KILLED_AT
 
-    save, write, init = ocp.CheckpointManager.save, PathStore.write, jax_mlp.Offloader.init
+    save, write, init = ocp.CheckpointManager.save, PathStore.write, Offloader.init
     writes, subgroups = [], None
 
     def saved(self, *args, **kwargs):  # the checkpoint is whole before the kill
@@ -243,10 +245,10 @@ KILL_IN_RECIPE = textwrap.dedent(
     def initialised(self, params):
         global subgroups
         state = init(self, params)
-        subgroups = len(self.plan.subgroups)
+        subgroups = len(self.live.plan.subgroups)
         return state
 
-    ocp.CheckpointManager.save, PathStore.write, jax_mlp.Offloader.init = saved, writing, initialised
+    ocp.CheckpointManager.save, PathStore.write, Offloader.init = saved, writing, initialised
     exec(RECIPE)
     """
 )

@@ -74,7 +74,7 @@ def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_an
         optax.adam(1e-3), paths=[f"{fast.mount}/s", f"{slow.mount}/s"], subgroup_size="1MiB", host_cache="8MiB"
     )
     state = tx.init(params)
-    scheduler = tx.offloader.scheduler
+    scheduler = tx.scheduler
     placements, moves = [list(scheduler.placement)], []
     try:
         for step in range(16):

@@ -71,7 +71,7 @@ def test_a_skipped_subgroup_is_far_above_the_bound(paths):
     params = make_params()
     with jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP) as tx:
         state = tx.init(params)
-        skipped_leaf = tx.offloader.plan.subgroups[2].pieces[0].leaf
+        skipped_leaf = tx.plan.subgroups[2].pieces[0].leaf
         offloaded = params
         for step in range(STEPS):
             updates, state = tx.update(grads_at(offloaded, step), state, offloaded)
@@ -114,7 +114,7 @@ def test_bf16_params_with_fp32_master(paths):
 
 def _masters_of(tx, params) -> list[np.ndarray]:
     """The fp32 master of each leaf at the offload's step: stored whole, or rebuilt from the params' high half."""
-    offloader = tx.offloader
+    offloader = tx
     leaves = jax.tree.leaves(params)
     masters = [np.empty(x.shape, np.float32) for x in leaves]
     pin = offloader.pin()
@@ -143,7 +143,7 @@ def test_apply_updates_gives_exactly_the_master_cast_and_remainders_rebuild_the_
             optax.adam(1e-2), paths=[path], subgroup_size="1MiB", master_dtype=jnp.float32, master_storage=storage
         ) as tx:
             state, params = tx.init(start), start
-            assert len(tx.offloader.plan.subgroups) == 1
+            assert len(tx.plan.subgroups) == 1
             for step in range(3):
                 updates, state = tx.update(grads_at(start, step), state, params)
                 params = optax.apply_updates(params, updates)

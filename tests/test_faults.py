@@ -234,7 +234,7 @@ def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference
     tx, params, state = start([paths[0]], host_cache=0)
     with tx:
         train(tx, params, state, range(3))
-        layout_hash = tx.offloader.plan.layout_hash
+        layout_hash = tx.plan.layout_hash
     store = open_path(jax_mlp.Path(paths[0]))
     record = store.read(2, 3 % 2)
     shutil.rmtree(record_dir(paths[0], 2, 3 % 2))
@@ -290,7 +290,7 @@ def test_the_needed_room_bounds_what_a_path_then_holds(tmp_path):
     takes at most what the check asked for, and no less than that without its headroom."""
     tx, params, state = start([tmp_path / "nvme"], host_cache=0)
     with tx:
-        record_bytes = [HEADER_SIZE + subgroup.layout.nbytes for subgroup in tx.offloader.plan.subgroups]
+        record_bytes = [HEADER_SIZE + subgroup.layout.nbytes for subgroup in tx.plan.subgroups]
         train(tx, params, state, range(2))
         tx.flush()
         used, need = disk_bytes(tmp_path / "nvme" / "proc0000"), capacity.need(record_bytes)

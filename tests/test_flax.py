@@ -60,7 +60,7 @@ def test_nnx_optimizer_matches_plain_optax(tmp_path):
     inner = optax.adamw(1e-2, weight_decay=0.1)
     with jax_mlp.mlp_offload(inner, paths=[tmp_path / "tier"], subgroup_size="2KiB", host_cache="4KiB") as offload:
         got = train(optax.chain(optax.clip_by_global_norm(1.0), offload))
-        assert len(offload.offloader.plan.subgroups) >= 3
+        assert len(offload.plan.subgroups) >= 3
         assert offload.stats.step == 12
     expected = train(optax.chain(optax.clip_by_global_norm(1.0), inner))
     assert_close_to_optax(jax.tree.leaves(got), jax.tree.leaves(expected))
@@ -72,7 +72,7 @@ def test_nnx_optimizer_accumulates_like_multisteps(tmp_path):
     expected = train(optax.chain(clip, optax.MultiSteps(inner, every_k_schedule=3)))
     with jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="2KiB", accumulate_steps=3) as offload:
         got = train(optax.chain(clip, offload))
-        assert offload.offloader.step == 4
+        assert offload.step == 4
     assert_close_to_optax(jax.tree.leaves(got), jax.tree.leaves(expected))
 
 
@@ -90,7 +90,7 @@ def test_fused_apply_on_an_nnx_model_matches_plain_optax(tmp_path):
         for _ in range(12):
             grads, clip_state = clip.update(grads_of(model), clip_state)
             opt_state = offload.apply_to(model, grads, opt_state)
-        assert int(opt_state.step) == 12 and len(offload.offloader.plan.subgroups) >= 3
+        assert int(opt_state.step) == 12 and len(offload.plan.subgroups) >= 3
         offload.close(delete=True)
     expected = train(optax.chain(clip, optax.adamw(1e-2, weight_decay=0.1)))
     assert_close_to_optax(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(expected))
@@ -181,7 +181,7 @@ def test_nnx_split_train_state_with_a_param_tree_mask_matches_plain_optax(tmp_pa
             return offloads[0]
 
         start, got = train_split(offload, in_jit=in_jit)
-        assert int(got.opt_state.step) == 6 and len(offloads[0].offloader.plan.subgroups) >= 3
+        assert int(got.opt_state.step) == 6 and len(offloads[0].plan.subgroups) >= 3
     _, expected = train_split(adamw, in_jit=in_jit)
     assert isinstance(got.params["linear1"]["kernel"], nnx.Param)
     assert int(got.counts["count"][...]) == 6
@@ -235,7 +235,7 @@ def train_cnn(tx, steps: int = 5, *, in_jit: bool):
 def test_nnx_optimizer_cnn_matches_plain_optax(tmp_path, in_jit):
     with jax_mlp.mlp_offload(optax.adamw(1e-2, weight_decay=0.1), paths=[tmp_path], subgroup_size="1KiB") as offload:
         start, got = train_cnn(offload, in_jit=in_jit)
-        assert offload.offloader.step == 5 and len(offload.offloader.plan.subgroups) >= 3
+        assert offload.step == 5 and len(offload.plan.subgroups) >= 3
     _, expected = train_cnn(optax.adamw(1e-2, weight_decay=0.1), in_jit=in_jit)
     assert_matches_optax(got, expected, start)
 
@@ -334,6 +334,6 @@ def test_linen_train_state_matches_plain_optax(tmp_path, in_jit):
     inner = optax.adamw(1e-2, weight_decay=0.1)
     with jax_mlp.mlp_offload(inner, paths=[tmp_path], subgroup_size="512B") as offload:
         start, got = train_linen(offload, in_jit=in_jit)
-        assert int(got.opt_state.step) == 5 and len(offload.offloader.plan.subgroups) >= 3
+        assert int(got.opt_state.step) == 5 and len(offload.plan.subgroups) >= 3
     _, expected = train_linen(inner, in_jit=in_jit)
     assert_matches_optax(got.params, expected.params, start)

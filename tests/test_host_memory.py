@@ -78,7 +78,7 @@ def train(kind, paths, *, apply=False, dtype=jnp.float32, master=None, mesh=None
         params, _ = helpers.train(
             tx, params, tx.init(params), range(steps), apply=apply, history=results, grads_of=grads_of
         )
-        plan = tx.offloader.plan
+        plan = tx.plan
     assert all(kinds(result) == {kind} for result in results), [jax.tree.map(memory_kind, r) for r in results]
     for x, sharding in zip(jax.tree.leaves(params), shardings, strict=True):
         assert x.sharding.is_equivalent_to(sharding, x.ndim), (x.sharding, sharding)
@@ -196,7 +196,7 @@ def test_an_update_of_host_params_adds_to_device_memory_only_the_subgroups_in_fl
     run = programs.Executables.__call__
     monkeypatch.setattr(programs.Executables, "__call__", lambda *a: (sampled.append(_live_bytes()), run(*a))[1])
 
-    def peak_added(kind: str) -> tuple[int, collections.Counter, jax_mlp.Offloader]:
+    def peak_added(kind: str) -> tuple[int, collections.Counter, jax_mlp.OffloadTransformation]:
         params = placed(make_params(shapes), kind)
         grads = placed(grads_at(params, 0), kind)
         options = dict(subgroup_size="64KiB", prefetch_depth=depth, write_depth=depth)
@@ -206,7 +206,7 @@ def test_an_update_of_host_params_adds_to_device_memory_only_the_subgroups_in_fl
             sampled.clear()
             result = tx.apply(grads, state, params)[0] if apply else tx.update(grads, state, params)[0]
             assert kinds(result) == {kind}
-        return max(s[DEVICE] for s in sampled) - before[DEVICE], before, tx.offloader
+        return max(s[DEVICE] for s in sampled) - before[DEVICE], before, tx
 
     added, before, offloader = peak_added(HOST)
     plan = offloader.plan

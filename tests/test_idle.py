@@ -123,7 +123,7 @@ def test_idle_prefetch_reads_the_next_updates_first_records_once(paths):
     params = make_params()
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, prefetch_depth=3) as tx:
         state = tx.init(params)
-        offloader = tx.offloader
+        offloader = tx
         assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(0)[:3])
         record_bytes = sum(HEADER_SIZE + sg.layout.nbytes for sg in offloader.plan.subgroups)
         for step in range(2):
@@ -146,7 +146,7 @@ def test_lazy_flush_writes_cached_records_only_when_asked(paths, monkeypatch):
             assert sum(tx.stats.bytes_written.values()) == 0
             assert packed == [], "cached state is kept as arrays, never packed into a record"
         tx.flush()
-        assert len(packed) == len(tx.offloader.plan.subgroups), "flush packs each subgroup's record once"
+        assert len(packed) == len(tx.plan.subgroups), "flush packs each subgroup's record once"
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, resume=True) as resumed:
         assert int(resumed.init(params).step) == 3
 
@@ -160,7 +160,7 @@ def test_the_idle_write_back_is_counted_in_the_next_updates_stats(paths):
             optax.adam(1e-2), paths=[path], subgroup_size=SUBGROUP, host_cache="8MiB", flush=flush
         ) as tx:
             state = tx.init(params)
-            subgroups = tx.offloader.plan.subgroups
+            subgroups = tx.plan.subgroups
             every_record = sum(HEADER_SIZE + sg.layout.nbytes for sg in subgroups)
             for step in range(3):
                 params, state = train(tx, params, state, [step])
@@ -184,7 +184,7 @@ def test_a_failed_write_back_is_raised_by_the_next_flush_and_update_and_loses_no
         current, state = train(tx, current, state, [1])  # its own records go to the cache: it succeeds
         with pytest.raises(jax_mlp.PathError, match=rf"path {paths[0]} is full"):
             train(tx, current, state, [2])  # the write-back of step 2 failed meanwhile
-        assert tx.offloader.step == 2
+        assert tx.step == 2
         with pytest.raises(jax_mlp.PathError, match=rf"path {paths[0]} is full"):
             tx.flush()  # tried again: the path is still full
         fault.clear()

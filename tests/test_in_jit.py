@@ -42,7 +42,7 @@ def test_update_inside_jit_matches_optax(tmp_path):
     with jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB") as tx:
         got, opt_state = jitted_training(tx, params, steps=10)
         assert int(opt_state.step) == 10 and tx.stats.step == 10
-        assert len(tx.offloader.plan.subgroups) > 8
+        assert len(tx.plan.subgroups) > 8
         expected = eager_optax(inner, params, steps=10)
         assert_close_to_optax(got, expected)
 
@@ -53,7 +53,7 @@ def test_sharded_update_inside_jit_matches_optax_keeps_shardings_and_stores_once
     inner = OPTIMIZERS["adamw_mask"]()
     with jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB") as tx:
         params = train_keeping_shardings(tx, inner, params, jax.jit(tx.update))
-        assert tx.offloader.jit_layout.host not in mesh.devices.flat, "the update must run outside the mesh"
+        assert tx.jit_layout.host not in mesh.devices.flat, "the update must run outside the mesh"
         assert_stored_once(tx, inner, params)
 
 
@@ -163,7 +163,7 @@ def test_nnx_optimizer_update_inside_nnx_jit(tmp_path):
     inner = optax.adamw(1e-2, weight_decay=0.1)
     with jax_mlp.mlp_offload(inner, paths=tmp_path, subgroup_size="2KiB") as offload:
         got = train_nnx(optax.chain(optax.clip_by_global_norm(1.0), offload), 8, update_in_jit=True)
-        assert offload.stats.step == 8 and len(offload.offloader.plan.subgroups) >= 3
+        assert offload.stats.step == 8 and len(offload.plan.subgroups) >= 3
     expected = train_nnx(optax.chain(optax.clip_by_global_norm(1.0), inner), 8, update_in_jit=True)
     assert_close_to_optax(jax.tree.leaves(got), jax.tree.leaves(expected))
 

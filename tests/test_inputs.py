@@ -135,4 +135,4 @@ def test_a_master_of_the_params_own_dtype_is_refused_and_a_mixed_tree_keeps_one(
         optax.adam(1e-2), paths=[paths[1]], subgroup_size=SUBGROUP, master_dtype=jnp.float32
     ) as tx:
         tx.init(mixed)
-        assert all(sg.layout.master_fields for sg in tx.offloader.plan.subgroups)
+        assert all(sg.layout.master_fields for sg in tx.plan.subgroups)

@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent(
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32), "b": jnp.zeros((1024,), jnp.float32)}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], host_cache="32MiB", subgroup_size="8MiB")
     rises = update_rises(tx, params)
-    print(json.dumps({"rises": rises, "state_bytes": tx.offloader.plan.state_nbytes,
-                      "subgroups": len(tx.offloader.plan.subgroups)}))
+    print(json.dumps({"rises": rises, "state_bytes": tx.plan.state_nbytes,
+                      "subgroups": len(tx.plan.subgroups)}))
     tx.close(delete=True)
     """
 )

@@ -362,10 +362,10 @@ def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path)
     log = tmp_path / "run.jsonl"
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[fast, slow], subgroup_size="16KiB", log_to=log) as tx:
         state = tx.init(params)
-        tx.offloader.set_caps(1, max_read="4MB/s", max_write="4MB/s")  # the split of equal caps no longer fits
+        tx.set_caps(1, max_read="4MB/s", max_write="4MB/s")  # the split of equal caps no longer fits
         for step in range(8):
             _, state = tx.update(jax.tree.map(lambda p, s=step: p * 0.1 + s, params), state, params)
-        scheduler = tx.offloader.scheduler
+        scheduler = tx.scheduler
         lines = [json.loads(text) for text in log.read_text().splitlines()]
     assert sum(line["moves"] for line in lines) == scheduler.moves > 0
     assert not any(line["fallback"] for line in lines)

@@ -227,6 +227,6 @@ def test_two_processes_save_a_sharded_checkpoint_that_restores_in_two_processes_
                     params=ocp.args.StandardRestore(like), opt_state=jax_mlp.OffloadRestore(tx, like)
                 ),
             )
-        assert any(p.shard is not None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
+        assert any(p.shard is not None for sg in tx.plan.subgroups for p in sg.pieces)
         params, _ = train(tx, restored["params"], restored["opt_state"], range(4, 10))
     assert_close_to_optax(jax.tree.leaves(params), single_process_optax(None))

@@ -175,7 +175,7 @@ def test_an_s3_server_killed_between_updates_fails_the_next_update_in_bounded_ti
                 with pytest.raises(jax_mlp.PathError, match=r"s3://bkt/outage/.* is unreachable .*store_timeout=2s"):
                     train(tx, params, state, [2])
                 assert time.monotonic() - started < OUTAGE_BOUND
-                assert tx.offloader.step == 2, "a failed update changes nothing visible"
+                assert tx.step == 2, "a failed update changes nothing visible"
     finally:
         server.stop()
 
@@ -265,7 +265,7 @@ def test_a_gcs_server_killed_during_an_update_keeps_the_last_step_restorable_onc
         with pytest.raises(jax_mlp.PathError, match=r"gs://gbkt/outage/.* is unreachable"):
             train(tx, got, state, [2])
         assert time.monotonic() - started < OUTAGE_BOUND
-        assert len(writes) >= 2 and tx.offloader.step == 2
+        assert len(writes) >= 2 and tx.step == 2
         monkeypatch.setattr(PathStore, "write", write)
         gcs.start()
     with jax_mlp.mlp_offload(INNER, paths=["gs://gbkt/outage"], resume=True, **options) as resumed:
@@ -338,9 +338,9 @@ MEMORY_CHILD = textwrap.dedent(
     params = {"w": jnp.ones((n // 1024, 1024), jnp.float32)}
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[sys.argv[1]], subgroup_size="4MiB")
     rises = update_rises(tx, params)
-    config = tx.offloader.config
-    print(json.dumps({"rises": rises, "state_bytes": tx.offloader.plan.state_nbytes,
-                      "record_bytes": max(sg.layout.nbytes for sg in tx.offloader.plan.subgroups),
+    config = tx.config
+    print(json.dumps({"rises": rises, "state_bytes": tx.plan.state_nbytes,
+                      "record_bytes": max(sg.layout.nbytes for sg in tx.plan.subgroups),
                       "depths": config.prefetch_depth + config.write_depth + config.max_inflight}))
     tx.close(delete=True)
     """

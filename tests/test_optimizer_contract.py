@@ -125,7 +125,7 @@ def test_each_listed_optimizer_is_exact_or_refused(case, tmp_path):
     try:
         # A stateless optimizer (its only state the shared scalars; fp32 params take no master) has no bytes
         # to split: one subgroup holds every leaf.
-        plan = tx.offloader.plan
+        plan = tx.plan
         per_leaf = any(field.shape for sg in plan.subgroups for field in sg.layout.state_fields)
         assert len(plan.subgroups) >= 3 or not per_leaf, "the tree should make several subgroups"
         offloaded = _train(tx, state, params, loss)
@@ -153,7 +153,7 @@ def test_leaves_whose_rows_the_optimizer_mixes_stay_whole_and_exact(name, tmp_pa
     with jax_mlp.mlp_offload(ROW_COUPLED[name](), paths=tmp_path, **options) as tx:
         with pytest.warns(UserWarning, match=r"param \['big'\] is kept whole in subgroup \d+"):
             state = tx.init(params)
-        plan = tx.offloader.plan
+        plan = tx.plan
         big = next(i for i, leaf in enumerate(plan.leaves) if leaf.path == "['big']")
         (subgroup,) = [sg for sg in plan.subgroups if any(p.leaf == big for p in sg.pieces)]
         assert subgroup.pieces == (partition.Piece(big),) and subgroup.layout.nbytes > WHOLE_LEAF_SIZE
@@ -196,7 +196,7 @@ def test_none_and_empty_state_leaves_are_laid_out_as_nothing_and_come_back_as_th
     inner = optax.with_extra_args_support(with_none_and_empty_state(optax.adam(1e-2)))
     with jax_mlp.mlp_offload(inner, **options) as tx:
         state = tx.init(start)
-        assert len(tx.offloader.plan.subgroups) >= 3
+        assert len(tx.plan.subgroups) >= 3
         params, _ = _steps(tx, state, start, loss, STEPS - 1)
     with jax_mlp.mlp_offload(inner, resume=True, **options) as tx:
         state = tx.init(params)

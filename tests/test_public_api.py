@@ -1,18 +1,16 @@
-"""``jax_mlp/__init__.py`` and ``deprecated.py``: the public face (``jax_mlp``, ``jax_mlp.quantized``,
-``jax_mlp.report``) and the flat layout's paths, deprecated.
-"""
+"""``jax_mlp/__init__.py``: the public face (``jax_mlp``, ``jax_mlp.quantized``, ``jax_mlp.report``), its one
+handle, the typed options, and the names deprecated with a dated removal."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-import warnings
+import inspect
 
+import optax
 import pytest
 
 import jax_mlp
-from jax_mlp._src import deprecated
+from jax_mlp._src.config import OffloadConfig, OffloadOptions
+from jax_mlp._src.offload.offloader import Offloader
 
 
 def test_every_public_name_is_named_by_its_public_path():
@@ -29,55 +27,43 @@ def test_the_public_namespaces_import_on_first_use():
         _ = jax_mlp.nothing
 
 
-@pytest.mark.parametrize(
-    ("old", "name", "public"),
-    [
-        ("jax_mlp.partition", "Plan", jax_mlp.Plan),
-        ("jax_mlp.dependence", "check_optimizer", None),
-        ("jax_mlp.stats", "format_bytes", jax_mlp.format_bytes),
-        ("jax_mlp.stats", "IOEvent", jax_mlp.IOEvent),
-        ("jax_mlp.config", "format_bytes", jax_mlp.format_bytes),
-        ("jax_mlp.peers", "PeerError", jax_mlp.PeerError),
-        ("jax_mlp.checkpoint", "restore_params", jax_mlp.restore_params),
-        ("jax_mlp.checkpoint", "region_of", None),
-        ("jax_mlp.scheduler", "Scheduler", None),
-        ("jax_mlp.scheduler", "PathEstimate", None),
-        ("jax_mlp.sharding", "LeafSharding", None),
-        ("jax_mlp.model", "ABLATION", None),
-        ("jax_mlp.model", "Workload", None),
-        ("jax_mlp.offloader", "OffloadState", jax_mlp.OffloadState),
-        ("jax_mlp.storage.tier_stack", "Pin", jax_mlp.Pin),
-    ],
-)
-def test_an_old_import_path_still_works_and_warns(old, name, public):
-    """The paths the docs showed before 0.2 keep working for one release, each with a DeprecationWarning."""
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = __import__(old, fromlist=[name])
-    said = [str(w.message) for w in caught if w.category is DeprecationWarning]
-    assert any(re.match(rf"{re.escape(old)} is deprecated .* jax_mlp\._src\.", text) for text in said), said
-    value = getattr(module, name)
-    if public is not None:
-        assert value is public
-    assert name in dir(module)
+def test_the_offloader_is_private_and_its_old_public_name_warns_with_its_removal():
+    assert "Offloader" not in jax_mlp.__all__
+    with pytest.warns(
+        DeprecationWarning, match=r"jax_mlp\.Offloader is deprecated and goes in 0\.4 \(after 2027-06-01\)"
+    ):
+        assert jax_mlp.Offloader is Offloader
 
 
-def test_every_old_module_maps_to_modules_that_exist():
-    for old in deprecated.MOVED:
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning):
-            module = __import__(old, fromlist=["__name__"])
-        assert dir(module), old
+def test_the_flat_layouts_module_paths_are_gone():
+    """Dropped at 0.3 (CHANGELOG.md): the old paths no longer import."""
+    with pytest.raises(ModuleNotFoundError):
+        __import__("jax_mlp.partition")
 
 
-def test_an_old_module_run_with_python_m_runs_its_new_one():
-    run = subprocess.run(
-        [sys.executable, "-W", "always::DeprecationWarning", "-m", "jax_mlp.cli", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "usage: jax-mlp" in run.stdout
-    assert "jax_mlp.cli is deprecated" in run.stderr
+def test_one_handle_is_an_optax_transformation_with_every_verb(tmp_path):
+    """What ``mlp_offload`` returns is a ``GradientTransformationExtraArgs`` and carries every verb and view."""
+    import jax.numpy as jnp
+
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[tmp_path]) as offload:
+        assert isinstance(offload, optax.GradientTransformationExtraArgs)
+        assert offload.plan is None and offload.step == 0 and offload.stats is None
+        params = {"w": jnp.ones((4, 3))}
+        state = offload.init(params)
+        for verb in ("apply", "apply_to", "overlap", "flush", "close", "pin", "read_pinned", "set_caps", "plan_for"):
+            assert callable(getattr(offload, verb)), verb
+        _, state = optax.chain(offload).update({"w": jnp.ones((4, 3))}, (state,), params)
+        assert offload.step == 1 and offload.plan.leaves[0].shape == (4, 3) and offload.stats.step == 1
+        assert list(offload.scheduler.placement) == [0] and offload.config.paths[0].name == str(tmp_path)
+    with pytest.raises(TypeError, match=r"not an optax\.chain holding it"):
+        jax_mlp.restore_params(optax.chain(offload), params)
+
+
+def test_the_typed_options_are_the_configs_arguments():
+    """``mlp_offload(**options: Unpack[OffloadOptions])``: a type checker sees every option, with the config's types."""
+    parameters = inspect.signature(OffloadConfig).parameters
+    said = {name: getattr(hint, "__forward_arg__", hint) for name, hint in OffloadOptions.__annotations__.items()}
+    assert list(said) == list(parameters)
+    config = {name: p.annotation for name, p in parameters.items()}
+    assert said == {**config, "paths": f"Required[{config['paths']}]"}
+    assert jax_mlp.mlp_offload.__annotations__["options"] == "Unpack[OffloadOptions]"

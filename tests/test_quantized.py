@@ -230,7 +230,7 @@ def _bytes_read_per_param(inner, params, tmp_path, **options) -> tuple[float, fl
         for step in range(2):
             _, state = tx.update(grads_at(params, step), state, params)
         n = sum(x.size for x in jax.tree.leaves(params))
-        read, planned = sum(tx.stats.bytes_read.values()) / n, tx.offloader.plan.state_nbytes / n
+        read, planned = sum(tx.stats.bytes_read.values()) / n, tx.plan.state_nbytes / n
     return read, planned
 
 

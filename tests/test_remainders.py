@@ -215,8 +215,8 @@ def _train(tx, params, steps, *, route="update", state=None):
 
 
 def _stored_masters(tx) -> list[np.ndarray]:
-    pin = tx.offloader.pin()
-    return [m for sg in tx.offloader.plan.subgroups for m in tx.offloader.read_pinned(pin, sg.index)[1]]
+    pin = tx.pin()
+    return [m for sg in tx.plan.subgroups for m in tx.read_pinned(pin, sg.index)[1]]
 
 
 def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(paths):
@@ -224,11 +224,11 @@ def test_records_hold_remainders_and_bits_do_not_depend_on_tiering_or_route(path
     options = dict(subgroup_size=SUBGROUP, master_dtype=jnp.float32, master_storage="remainder")
     with jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "a"], **options) as tx:
         reference, _ = _train(tx, params, range(STEPS))
-        state_bytes = tx.offloader.plan.state_nbytes
+        state_bytes = tx.plan.state_nbytes
         assert all(m.dtype == np.int16 for m in _stored_masters(tx))
     with jax_mlp.mlp_offload(_inner(), paths=[paths[0] / "full"], **{**options, "master_storage": "full"}) as full:
         full.init(params)
-        assert full.offloader.plan.state_nbytes > 1.1 * state_bytes  # adam's 8 B + 4 B, against 8 B + 2 B
+        assert full.plan.state_nbytes > 1.1 * state_bytes  # adam's 8 B + 4 B, against 8 B + 2 B
         assert all(m.dtype == np.float32 for m in _stored_masters(full))
 
     variants = {

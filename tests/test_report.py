@@ -36,7 +36,7 @@ def run(tmp_path_factory):
         log_to=log,
     ) as tx:
         train(tx, params, tx.init(params), range(STEPS))
-        num_subgroups = len(tx.offloader.plan.subgroups)
+        num_subgroups = len(tx.plan.subgroups)
         paths = tx.stats.paths
     return log, num_subgroups, paths
 

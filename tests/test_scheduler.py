@@ -109,9 +109,9 @@ def test_bits_do_not_depend_on_the_mechanisms_or_on_rebalancing_moves(paths):
         inner, paths=[fast, slow], subgroup_size=SUBGROUP, host_cache="32KiB", flush="lazy", node_lock=True
     ) as tx:
         current, state = train(tx, params, tx.init(params), range(2))
-        tx.offloader.set_caps(1, max_read="1MB/s", max_write="1MB/s")
+        tx.set_caps(1, max_read="1MB/s", max_write="1MB/s")
         current, state = train(tx, current, state, range(2, 6))
-        scheduler = tx.offloader.scheduler
+        scheduler = tx.scheduler
         assert scheduler.moves > 0 and scheduler.shares[0] > 0.75
         tx.flush()
         stored = [

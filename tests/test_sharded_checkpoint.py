@@ -127,7 +127,7 @@ def test_a_sharded_checkpoint_round_trips_onto_other_meshes_paths_and_subgroups(
     ) as tx:
         with ocp.CheckpointManager(tmp_path / "offloaded") as manager:
             state = tx.init(params)
-            pieces = [p for sg in tx.offloader.plan.subgroups for p in sg.pieces]
+            pieces = [p for sg in tx.plan.subgroups for p in sg.pieces]
             assert any(p.shard is not None and p.rows is not None for p in pieces), "no sharded leaf is split"
             params, state = train(tx, params, state, range(4))
             at_4 = params
@@ -201,7 +201,7 @@ def test_sharded_remainder_masters_save_whole_and_restore_bitwise(tmp_path):
         ocp.CheckpointManager(tmp_path / "ckpt") as manager,
     ):
         params, state = train(tx, params, tx.init(params), range(3))
-        assert any(f.dtype == np.int16 for sg in tx.offloader.plan.subgroups for f in sg.layout.master_fields)
+        assert any(f.dtype == np.int16 for sg in tx.plan.subgroups for f in sg.layout.master_fields)
         manager.save(
             3, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=jax_mlp.OffloadSave(tx, params))
         )

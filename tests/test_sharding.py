@@ -53,7 +53,7 @@ def test_sharded_training_matches_optax_and_stores_each_block_once(tmp_path):
     with jax_mlp.mlp_offload(inner, paths=[tmp_path / "a", tmp_path / "b"], subgroup_size="24KiB") as tx:
         params = train_keeping_shardings(tx, inner, params, tx.update)
 
-        plan = tx.offloader.plan
+        plan = tx.plan
         assert any(p.rows is not None and p.shard is not None for sg in plan.subgroups for p in sg.pieces), (
             "no split shard"
         )
@@ -90,7 +90,7 @@ def train_keeping_shardings(tx, inner, params, update, steps: int = 10):
 
 def assert_stored_once(tx, inner, params) -> None:
     """Closes ``tx`` and checks its bytes on disk: the unique state, one adam count per record; no replica."""
-    plan = tx.offloader.plan
+    plan = tx.plan
     unique = sum(x.nbytes for x in jax.tree.leaves(inner.init(params)))
     fields = [f for sg in plan.subgroups for f in (*sg.layout.state_fields, *sg.layout.master_fields)]
     counts = [f for f in fields if f.shape == () and f.dtype == np.int32]
@@ -106,7 +106,7 @@ def test_a_replicated_leaf_is_updated_once_and_copied(tmp_path):
     params = {"w": jax.device_put(make_params()["big"], NamedSharding(mesh, P()))}
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=tmp_path) as tx:
         opt_state = tx.init(params)
-        (piece,) = [p for sg in tx.offloader.plan.subgroups for p in sg.pieces]
+        (piece,) = [p for sg in tx.plan.subgroups for p in sg.pieces]
         assert piece.shard.device == mesh.devices.flat[0].id
         updates, _ = tx.update(grads_at(params, 0), opt_state, params)
         blocks = [np.asarray(s.data) for s in updates["w"].addressable_shards]

@@ -50,7 +50,7 @@ def test_changing_the_learning_rate_at_step_5_matches_inject_hyperparams_in_memo
     start = make_params(SHAPES)
     with jax_mlp.mlp_offload(inject(), paths=tmp_path, **OPTIONS) as tx:
         state = tx.init(start)
-        assert len(tx.offloader.plan.subgroups) >= 3
+        assert len(tx.plan.subgroups) >= 3
         assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
         params, state = train_changing_rate(tx, start, state, range(STEPS))
     expected_state = assert_matches_optax(params, start)
@@ -212,6 +212,6 @@ def test_an_undeclared_extra_argument_that_mixes_the_rows_of_a_split_leaf_is_ref
     with jax_mlp.mlp_offload(inner, paths=tmp_path / "b", extra_args=declared, **OPTIONS) as tx:
         with pytest.warns(UserWarning, match=r"param \['w'\] is kept whole"):
             state = tx.init(start)
-        assert all(p.rows is None for sg in tx.offloader.plan.subgroups for p in sg.pieces)
+        assert all(p.rows is None for sg in tx.plan.subgroups for p in sg.pieces)
         _, state = tx.update(grads_at(start, 0), state, start, value=jnp.float32(1.0))
         assert int(state.step) == 1

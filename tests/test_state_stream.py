@@ -19,7 +19,7 @@ SUBGROUP = "16KiB"
 
 def stream_of(tx):
     """The ``StateStream`` of an initialised offload (a private attribute: the stream is the module under test)."""
-    return tx.offloader._calls.stream
+    return tx._offloader.live.stream
 
 
 def snapshot(stream, step):
@@ -105,7 +105,7 @@ def test_a_fault_mid_stream_leaves_the_step_the_cache_and_the_locations_as_they_
         with pytest.raises(jax_mlp.PathError, match="is full"):
             train(tx, current, state, [2])
         fault.clear()
-        assert tx.offloader.step == 2 and stream.tiers.locations == locations
+        assert tx.step == 2 and stream.tiers.locations == locations
         assert all(entry.step == 2 for _, entry in stream.tiers.cache.dirty())
         assert not any(stream.tiers.cache.holds(sg.index, 3) for sg in stream.plan.subgroups)
         for index, (before, now) in enumerate(zip(fields, snapshot(stream, 2)[0], strict=True)):

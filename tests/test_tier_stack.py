@@ -24,7 +24,7 @@ WAIT = 30.0
 
 
 def record_bytes(tx) -> int:
-    return sum(HEADER_SIZE + sg.layout.nbytes for sg in tx.offloader.plan.subgroups)
+    return sum(HEADER_SIZE + sg.layout.nbytes for sg in tx.plan.subgroups)
 
 
 def record_size(plan, index=0) -> int:
@@ -41,7 +41,7 @@ def test_without_cache_each_record_is_read_and_written_once_per_update(paths):
             _, state = tx.update(grads_at(params, step), state, params)
             stats = tx.stats
             assert stats.cache_hits == 0
-            assert stats.cache_misses == len(tx.offloader.plan.subgroups)
+            assert stats.cache_misses == len(tx.plan.subgroups)
             assert sum(stats.bytes_read.values()) == record_bytes(tx)
             assert sum(stats.bytes_written.values()) == record_bytes(tx)
             assert all(v > 0 for v in stats.bytes_read.values()), "both paths are used"

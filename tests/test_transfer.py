@@ -12,7 +12,7 @@ from helpers import as_bits, assert_same_bits, make_params, train
 
 import jax_mlp
 from jax_mlp import OffloadError
-from jax_mlp._src.stream.transfer import TransferPath, choose, has_pinned_host
+from jax_mlp._src.stream.transfer import Transfer, choose, has_pinned_host
 
 STEPS = 3
 
@@ -61,11 +61,11 @@ def test_pinned_is_refused_where_a_device_has_no_pinned_host_and_bad_options_are
 def test_to_host_gives_views_of_the_pinned_copy_and_passes_host_arrays_through():
     device_array = jax.numpy.arange(1024.0)
     host_array = np.arange(4, dtype=np.uint8)
-    pinned_out = TransferPath("pinned").to_host([device_array, host_array])
+    pinned_out = Transfer("pinned").to_host([device_array, host_array])
     assert pinned_out[1] is host_array
     assert not pinned_out[0].flags.owndata  # a view of the pinned buffer, not a copy numpy made
-    np.testing.assert_array_equal(as_bits(pinned_out[0]), as_bits(TransferPath("plain").to_host([device_array])[0]))
-    on_device = TransferPath("pinned").to_device((host_array,), None)[0]
+    np.testing.assert_array_equal(as_bits(pinned_out[0]), as_bits(Transfer("plain").to_host([device_array])[0]))
+    on_device = Transfer("pinned").to_device((host_array,), None)[0]
     assert on_device.sharding.memory_kind == "device"
 
 

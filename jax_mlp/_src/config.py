@@ -10,7 +10,7 @@ import os
 import tempfile
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Required, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ Flush = Literal["idle", "lazy"]
 """When dirty cached records are written: between updates, or only when evicted."""
 Placement = Literal["bandwidth", "round_robin"]
 """How subgroups are spread over the paths: by bandwidth (rebalanced), or equally."""
-Transfer = Literal["auto", "pinned", "plain"]
+TransferChoice = Literal["auto", "pinned", "plain"]
 """How subgroups move between host and device (see ``stream/transfer.py``)."""
 MasterStorage = Literal["full", "remainder"]
 """How records hold the fp32 master of bf16 params: whole, or as its int16 low half."""
@@ -99,6 +99,37 @@ def _shape_of(name: str, value: Any) -> jax.ShapeDtypeStruct:
             f"extra_args[{name!r}] must be an array or a jax.ShapeDtypeStruct, got {type(value).__name__}: only "
             "arrays can be passed on to the inner optimizer"
         ) from error
+
+
+class OffloadOptions(TypedDict, total=False):
+    """The options of :func:`~jax_mlp.mlp_offload` as type checkers see them: ``OffloadConfig``'s arguments.
+
+    ``mlp_offload(inner, **options: Unpack[OffloadOptions])``; each is documented and validated by
+    :class:`OffloadConfig` (``tests/test_config.py`` holds the two to the same names and types).
+    """
+
+    paths: Required[Sequence[str | os.PathLike | dict | Path] | str | os.PathLike | dict | Path]
+    host_cache: int | str
+    subgroup_size: int | str
+    prefetch_depth: int
+    write_depth: int
+    master_dtype: Any
+    master_storage: MasterStorage
+    io_timeout: float
+    store_timeout: float
+    peer_timeout: float
+    order: Order
+    flush: Flush
+    placement: Placement
+    rebalance: bool
+    idle_prefetch: bool
+    probe: bool
+    max_inflight: int
+    node_lock: bool | str | os.PathLike | None
+    extra_args: Mapping[str, Any] | Sequence[tuple[str, Any]]
+    accumulate_steps: int
+    accumulator_dtype: Any
+    transfer: TransferChoice
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -189,7 +220,7 @@ class OffloadConfig:
     extra_args: tuple[tuple[str, jax.ShapeDtypeStruct], ...]
     accumulate_steps: int
     accumulator_dtype: np.dtype
-    transfer: Transfer
+    transfer: TransferChoice
 
     def __init__(
         self,
@@ -215,7 +246,7 @@ class OffloadConfig:
         extra_args: Mapping[str, Any] | Sequence[tuple[str, Any]] = (),
         accumulate_steps: int = 1,
         accumulator_dtype: Any = np.float32,
-        transfer: Transfer = "auto",
+        transfer: TransferChoice = "auto",
     ):
         given = {name: value for name, value in locals().items() if name != "self"}  # every option, as given
         for name, value in {**given, **_normalised(given)}.items():

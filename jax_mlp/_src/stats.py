@@ -215,16 +215,16 @@ class IOCounters:
             self.cache_misses = 0
             self._events: list[IOEvent] = []
 
-    def count(self, transfer: Any) -> None:
-        """Counts one record read or written (a :class:`~jax_mlp._src.storage.tier_stack.Transfer`)."""
-        path = self._paths[transfer.path]
-        event = IOEvent(transfer.kind, path, transfer.subgroup, transfer.start, transfer.end)
+    def count(self, io: Any) -> None:
+        """Counts one record read or written (a :class:`~jax_mlp._src.storage.tier_stack.RecordIO`)."""
+        path = self._paths[io.path]
+        event = IOEvent(io.kind, path, io.subgroup, io.start, io.end)
         with self._lock:
-            if transfer.kind == "read":
-                self.bytes_read[path] += transfer.nbytes
+            if io.kind == "read":
+                self.bytes_read[path] += io.nbytes
                 self.cache_misses += 1
             else:
-                self.bytes_written[path] += transfer.nbytes
+                self.bytes_written[path] += io.nbytes
             self._events.append(event)
 
     def hit(self) -> None:

@@ -28,7 +28,6 @@ from jax_mlp._src.checkpoint import items
 from jax_mlp._src.checkpoint.restore import restore_into
 from jax_mlp._src.checkpoint.save import SaveStream
 from jax_mlp._src.errors import OffloadError
-from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.transform import OffloadTransformation, offloader_of
 
@@ -43,7 +42,7 @@ class OffloadSave(ocp.args.CheckpointArgs):
     """Saves the state of an ``mlp_offload`` at its current step, in the standard optax layout.
 
     Attributes:
-      offload: what :func:`~jax_mlp.mlp_offload` returned (or its :class:`~jax_mlp.Offloader`), initialised.
+      offload: what :func:`~jax_mlp.mlp_offload` returned, initialised.
       params: the params at the offload's step; needed with ``master_storage="remainder"`` (bf16
         params with fp32 masters), whose records hold only the masters' low halves:
         the checkpoint holds the whole fp32 master, rebuilt from them. Their blocks are copied to the
@@ -63,7 +62,7 @@ class OffloadSave(ocp.args.CheckpointArgs):
       True
     """
 
-    offload: OffloadTransformation | Offloader
+    offload: OffloadTransformation
     params: Any = None
 
 
@@ -98,7 +97,7 @@ class OffloadRestore(ocp.args.CheckpointArgs):
       (1, Array(1, dtype=int32))
     """
 
-    offload: OffloadTransformation | Offloader
+    offload: OffloadTransformation
     params: Any
     step: int | None = None
 
@@ -117,7 +116,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         pin = offloader.pin()
         try:
             stream = SaveStream(offloader, pin, f"jax_mlp/save/{next(_SAVES)}/{directory}", args.params)
-            has_master = offloader.plan.master_dtype is not None
+            has_master = offloader.initialised().plan.master_dtype is not None
             custom = {items.METADATA_KEY: {"format": items.FORMAT, "step": pin.step, "master": has_master}}
             save = ocp.args.PyTreeSave(stream.placeholders(), custom_metadata=custom)
             return await items.pytree_handler().async_save(directory, args=save)

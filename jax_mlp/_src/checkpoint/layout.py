@@ -22,15 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.plan import partition
-from jax_mlp._src.plan.partition import Plan, Subgroup
+from jax_mlp._src.plan.partition import Box, Plan, Subgroup
 from jax_mlp._src.storage.record import CHUNK_BYTES
 
 MASTER = "master"
 STATE = "opt_state"
 _MIN_CHUNK_BYTES = 2**20  # chunks aligned with every region are kept down to this size
-
-Box = tuple[tuple[int, int], ...]
-"""A region of a leaf: ``[start, stop)`` per dimension."""
 
 
 def standard_layout(inner: optax.GradientTransformation, params: Any, master_dtype: Any = None) -> Any:

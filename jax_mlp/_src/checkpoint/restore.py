@@ -136,7 +136,7 @@ def restore_into(offloader: Offloader, directory: epath.Path, params: Any, step:
     Returns:
       The :class:`~jax_mlp.OffloadState` at the restored step.
     """
-    if offloader.plan is not None:
+    if offloader.live is not None:
         raise OffloadError(
             "OffloadRestore needs a fresh mlp_offload, but this one is initialised; create a new one (on the same "
             "paths or empty ones) and do not call its init: the restore does"

@@ -21,12 +21,12 @@ import tensorstore as ts
 
 from jax_mlp._src import peers
 from jax_mlp._src.checkpoint.items import StreamedLeaf
-from jax_mlp._src.checkpoint.layout import Box, Region, chunk_shape, host_block, interior_gcd, layout_of, region_of
+from jax_mlp._src.checkpoint.layout import Region, chunk_shape, host_block, interior_gcd, layout_of, region_of
 from jax_mlp._src.errors import OffloadError, RecordError
 from jax_mlp._src.offload.inputs import check_tree
 from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.plan import remainders
-from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.plan.partition import Box, Plan
 from jax_mlp._src.plan.sharding import LeafSharding
 from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.stream.engine import Engine
@@ -43,7 +43,8 @@ class SaveStream:
     def __init__(self, offloader: Offloader, pin: Pin, name: str, params: Any):
         self.offloader = offloader
         self.pin = pin
-        plan, sharding = offloader.plan, offloader.sharding
+        live = offloader.initialised()
+        plan, sharding = live.plan, live.sharding
         self.layout = layout_of(offloader.inner, plan)
         primary = jax.process_index() == 0
         self.writes = tuple(
@@ -69,7 +70,7 @@ class SaveStream:
 
     def _chunks(self, sharding: LeafSharding, name: str) -> list[tuple[int, ...]]:
         """Each array's zarr3 chunk (see :func:`chunk_shape`), the same in every process."""
-        layout, plan = self.layout, self.offloader.plan
+        layout, plan = self.layout, self.offloader.initialised().plan
         blocks: list[list[Box]] = [[] for _ in layout.leaves]
         rows: list[list[int]] = [[] for _ in layout.leaves]
         for k in self.subgroups:

@@ -1,114 +1,60 @@
-"""Gradient accumulation: the gradients of ``accumulate_steps`` calls averaged on the device, then one update.
+"""The accumulation route: one call of a gradient-accumulation window (``accumulate_steps=k``).
 
-The semantics and the arithmetic are those of ``optax.MultiSteps(inner, every_k_schedule=k)``: each
-call folds its gradients into a running mean, ``acc + (g - acc) / (n + 1)`` (Welford's form, as
-MultiSteps computes it), and the k-th call hands that mean, in the gradients' dtype, to the update
-that streams the state. The window (the micro-step count and the running mean) lives in the
-user's ``OffloadState``, so ``update`` stays a function of its inputs; it runs eagerly (inside
-``jax.jit`` it is refused: see ``Offloader._accumulate``).
-
-``optax.MultiSteps`` itself cannot wrap ``mlp_offload``: it runs the inner update on every
-micro-step and keeps the old state with ``jnp.where``, and storage cannot roll back.
-:func:`refuse_multisteps` stops it at its first call.
+Calls 1 to k-1 fold their grads into the window the handle carries (``offload/window.py``) and
+return zero updates; they touch no storage, and give the idle-time reads more records to read ahead.
+Call k streams the window's mean through the split route. The shared state moves on only with the
+update, as the inner state does in ``optax.MultiSteps``. Only the backward of a window's last call
+may start the update, so the outcome of call k-1 is the one that says what it may assume.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Sequence
-from typing import Any, NamedTuple
-
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 
-from jax_mlp._src.errors import OffloadError
-
-
-class Window(NamedTuple):
-    """Where one accumulation window stands.
-
-    Attributes:
-      mini_step: the calls accumulated so far in this window (int32 scalar, ``0`` to ``k - 1``).
-      acc_grads: per param leaf, the running mean of those calls' gradients, in the accumulator dtype.
-    """
-
-    mini_step: jax.Array
-    acc_grads: list[jax.Array]
+from jax_mlp._src.config import OffloadConfig
+from jax_mlp._src.offload import window as windows
+from jax_mlp._src.offload.inputs import bare_treedef
+from jax_mlp._src.offload.overlap import Overlap
+from jax_mlp._src.offload.route import Call, Outcome
+from jax_mlp._src.offload.split import SplitRoute
+from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.plan.programs import update_dtype
+from jax_mlp._src.state import OffloadState
+from jax_mlp._src.stream.state_stream import StateStream
 
 
-def empty_window(params: Sequence[Any], dtype: np.dtype) -> Window:
-    """A window with nothing accumulated: zeros shaped and placed as each param leaf (or its ``ShapeDtypeStruct``).
-
-    A concrete leaf's zeros keep its sharding and commitment (``zeros_like``), so a jitted step
-    over params and state does not recompile when the state comes back from ``update``.
-    """
-    zeros = [
-        jnp.zeros_like(p, dtype=dtype)
-        if isinstance(p, jax.Array)
-        else jnp.zeros(p.shape, dtype, device=getattr(p, "sharding", None))
-        for p in params
-    ]
-    return Window(jnp.zeros([], jnp.int32), zeros)
-
-
-@functools.partial(jax.jit, static_argnames="accumulator_dtype")
-def add(grads: Sequence[jax.Array], window: Window, accumulator_dtype: np.dtype) -> tuple[list[jax.Array], Window]:
-    """Folds one call's gradients into the window.
+class AccumulationRoute:
+    """The eager calls of one offload's accumulation windows.
 
     Args:
-      grads: the call's gradient leaves.
-      window: the window before this call.
-      accumulator_dtype: the dtype the running mean is kept in.
-
-    Returns:
-      The mean so far in each gradient's dtype (what the update streams with when the window is
-      full), and the window after this call.
+      config: the offload's options (``accumulate_steps``, ``accumulator_dtype``).
+      plan: the subgroups.
+      stream: the offloaded state.
+      overlap: the update the backward of a window's last call may start.
+      split: the route a window's last call takes, with the mean.
     """
-    means = [a + (g - a) / (window.mini_step + 1) for g, a in zip(grads, window.acc_grads, strict=True)]
-    carried = Window(window.mini_step + 1, [m.astype(accumulator_dtype) for m in means])
-    return [m.astype(g.dtype) for g, m in zip(grads, means, strict=True)], carried
 
+    def __init__(self, config: OffloadConfig, plan: Plan, stream: StateStream, overlap: Overlap, split: SplitRoute):
+        self._config, self._plan, self._stream, self._overlap, self._split = config, plan, stream, overlap, split
 
-@functools.partial(jax.jit, static_argnames="dtypes")
-def zero_updates(grads: Sequence[jax.Array], dtypes: tuple[np.dtype, ...]) -> list[jax.Array]:
-    """What a micro-step returns: zeros placed as each gradient leaf, in the dtype of that leaf's updates."""
-    return [_zeros_placed_as(g).astype(dtype) for g, dtype in zip(grads, dtypes, strict=True)]
-
-
-def _zeros_placed_as(x: jax.Array) -> jax.Array:
-    """Zeros with ``x``'s shape, dtype and sharding, inside jit.
-
-    ``jnp.zeros_like`` there needs a mesh context for arrays on an Explicit mesh (the default of
-    ``jax.make_mesh``); an element-wise ``where`` takes ``x``'s sharding without one.
-    """
-    return jnp.where(True, 0, x)
-
-
-_MULTISTEPS_CODE = frozenset({optax.MultiSteps.init.__code__, optax.MultiSteps.update.__code__})
-
-
-def refuse_multisteps() -> None:
-    """Raises if the call comes, through any chain, from ``optax.MultiSteps``' ``init`` or ``update``.
-
-    MultiSteps traces the inner update under ``lax.cond`` on every micro-step and keeps the old
-    state with ``jnp.where``; the offloaded state would advance on every call while the handle
-    stays behind. Found on the call stack, so it is refused before anything is read or written.
-
-    Raises:
-      OffloadError: naming MultiSteps and the remedy, ``accumulate_steps``.
-    """
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code in _MULTISTEPS_CODE:
-            raise OffloadError(
-                "optax.MultiSteps cannot wrap mlp_offload: it runs the inner update on every micro-step and keeps "
-                "the old state with jnp.where, but offloaded state on storage cannot roll back. Drop MultiSteps and "
-                "pass accumulate_steps=k to mlp_offload instead, e.g. optax.chain(optax.clip_by_global_norm(1.0), "
-                "jax_mlp.mlp_offload(inner, paths=..., accumulate_steps=k)): it averages the gradients of k calls on "
-                "the device as MultiSteps does, and only every k-th call streams the state. Transformations before "
-                "mlp_offload in the chain then see each call's gradients"
-            )
-        frame = frame.f_back
+    def run(self, call: Call) -> Outcome:
+        """Folds the call's grads in; the window's last call streams their mean."""
+        config, state = self._config, call.state
+        window = windows.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
+        means, carried = windows.add(call.grads, window, config.accumulator_dtype)
+        expect = None
+        if int(window.mini_step) < config.accumulate_steps - 1:
+            self._overlap.settle()
+            self._stream.check_step(int(state.step))
+            self._stream.use_idle_window()
+            dtypes = tuple(update_dtype(self._plan, i) for i in range(len(self._plan.leaves)))
+            leaves, step, shared = windows.zero_updates(call.grads, dtypes), state.step, call.shared
+            if int(carried.mini_step) == config.accumulate_steps - 1:  # the next grads complete the window
+                expect = self._overlap.basis(call.grads, shared, carried)
+            window = carried
+        else:
+            leaves, streamed = self._split.stream(call, means)
+            step, shared = streamed.step, streamed.shared
+            window = windows.empty_window(carried.acc_grads, config.accumulator_dtype)
+        acc_grads = jax.tree_util.tree_unflatten(bare_treedef(self._plan.treedef), window.acc_grads)
+        return Outcome(leaves, call.grads_tree, OffloadState(step, shared, window.mini_step, acc_grads), expect)

@@ -7,162 +7,45 @@ the update of every owned block on the host CPU backend, as ZeRO-Offload's CPU A
 callback returns its device's block of the updates. A replica returns its owner's block, so no state
 is stored or updated twice, and no device ever holds more than its own block.
 
-On CPU devices (the fake devices of tests) each device's program holds one of XLA's CPU threads
-while its callback waits, so the update runs on a CPU device outside the mesh, and XLA's thread
-pools need a spare thread per device besides (:func:`jit_layout` checks both).
+Where the callbacks run is the params' :class:`~jax_mlp._src.plan.callback_layout.CallbackLayout`;
+a layout that cannot serve is refused only when the route is taken, since most users never trace
+``update``. Accumulation is refused here: its choice would be a ``lax.cond`` around the host
+callback, and that was seen to deadlock XLA's CPU runtime now and then (the callback's device work
+waiting behind the caller's next step). The update runs after the backward, in the same program,
+so the next backward starts none.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
-import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.offload import window
+from jax_mlp._src.offload.overlap import Overlap
+from jax_mlp._src.offload.route import Call, Calls, Outcome
+from jax_mlp._src.plan.callback_layout import CallbackLayout, device_index
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import Uniform, update_dtype
-from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey, LeafSharding, memory_kind
+from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey, LeafSharding
+from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stream.blocks import Blocks, Staging
 from jax_mlp._src.stream.state_stream import IN_CALLBACK, StateStream
 
 logger = logging.getLogger(__name__)
 
 
-class JitLayout(NamedTuple):
-    """Where the in-jit route runs: the params' mesh, each leaf's spec on it, and the host device."""
-
-    mesh: Mesh
-    specs: tuple[P, ...]
-    host: jax.Device
-
-    def block_shapes(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """Each leaf's block shape on one device of the mesh."""
-        return [
-            NamedSharding(self.mesh, spec).shard_shape(shape) for spec, shape in zip(self.specs, shapes, strict=True)
-        ]
-
-
-def xla_cpu_threads() -> int:
-    """The size of each of XLA's CPU thread pools: ``NPROC`` or the usable cores, at least one per CPU device."""
-    nproc = os.environ.get("NPROC", "")
-    cores = int(nproc) if nproc.isdigit() and int(nproc) > 0 else len(os.sched_getaffinity(0))
-    return max(cores, len(jax.local_devices(backend="cpu")))
-
-
-def _mesh_of(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[Mesh, tuple[P, ...]]:
-    """The one mesh the leaves live on, and their specs: a one-device mesh for leaves on one device."""
-    named = [(path, leaf) for path, leaf in zip(paths, leaves, strict=True) if _spans_devices(leaf)]
-    if not named:
-        devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
-        if len(devices) > 1:
-            raise OffloadError(
-                "the params are on several devices, each leaf whole on one; update inside jit takes them on one "
-                "device or sharded over one mesh with NamedSharding: place them so, or call tx.update outside jit"
-            )
-        device = devices.pop() if devices else jax.devices()[0]
-        return Mesh(np.array([device]), ("device",)), (P(),) * len(leaves)
-    if len(named) < len(leaves):
-        whole = next(path for path, leaf in zip(paths, leaves, strict=True) if not _spans_devices(leaf))
-        raise OffloadError(
-            f"param {whole} is on one device while {named[0][0]} is sharded; update inside jit takes every leaf on "
-            "one mesh: give it a NamedSharding on that mesh (P() replicates it), or call tx.update outside jit"
-        )
-    meshes = {leaf.sharding.mesh for _, leaf in named if isinstance(leaf.sharding, NamedSharding)}
-    other = next((path for path, leaf in named if not isinstance(leaf.sharding, NamedSharding)), None)
-    if other is not None or len(meshes) != 1:
-        detail = f"param {other} has no NamedSharding" if other is not None else f"they use {len(meshes)} meshes"
-        raise OffloadError(
-            f"update inside jit maps over the params' one mesh, but {detail}; shard every leaf with a NamedSharding "
-            "on one mesh, or call tx.update outside jit"
-        )
-    return meshes.pop(), tuple(leaf.sharding.spec for leaf in leaves)
-
-
-def _spans_devices(leaf: Any) -> bool:
-    """Whether ``leaf`` (an array, or a restore's ``jax.ShapeDtypeStruct``) is sharded over several devices."""
-    sharding = getattr(leaf, "sharding", None)
-    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) and sharding is not None and len(sharding.device_set) > 1
-
-
-def _first_cpu_device() -> jax.Device:
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError as error:  # JAX_PLATFORMS left the CPU backend out
-        raise OffloadError(
-            "update inside jit runs on the host CPU backend, which jax has not started: include cpu in JAX_PLATFORMS "
-            f"(e.g. JAX_PLATFORMS=cuda,cpu), or call tx.update outside jit ({error})"
-        ) from error
-
-
-def jit_layout(paths: Sequence[str], leaves: Sequence[Any]) -> JitLayout:
-    """The layout of ``leaves`` for the in-jit route.
-
-    Args:
-      paths: each leaf's tree path, for errors.
-      leaves: the params given to ``init`` (concrete arrays).
-
-    Returns:
-      The params' mesh and specs, and the CPU device the update runs on: the first CPU device for
-      a mesh of accelerators, the device itself for one CPU device, else a CPU device outside the
-      mesh.
-
-    Raises:
-      OffloadError: a leaf is in host memory, the leaves are not on one mesh, or they are on a mesh of
-        CPU devices that XLA's CPU runtime could not serve while every device waits in its callback.
-    """
-    host = next(
-        (
-            (path, kind)
-            for path, leaf in zip(paths, leaves, strict=True)
-            if (kind := memory_kind(leaf)) != DEVICE_MEMORY
-        ),
-        None,
-    )
-    if host is not None:
-        raise OffloadError(
-            f"param {host[0]} is in {host[1]} memory; update inside jit hands each device's blocks to host callbacks "
-            "and cannot stream params kept in host memory: call tx.update (or tx.apply) eagerly, outside jit, after "
-            "the jitted loss and gradients"
-        )
-    mesh, specs = _mesh_of(paths, leaves)
-    devices = list(mesh.local_devices)  # with jax.distributed, this process's callbacks
-    if devices[0].platform != "cpu":
-        return JitLayout(mesh, specs, _first_cpu_device())
-    if len(devices) == 1:  # its callback runs the update on it: measured to need two threads
-        host, needed = devices[0], 2
-    else:
-        spare = [d for d in jax.local_devices(backend="cpu") if d not in devices]
-        if not spare:
-            raise OffloadError(
-                f"update inside jit on a mesh of all {len(devices)} CPU devices: the update runs on a CPU device "
-                "outside the mesh while the mesh's devices wait in their callbacks. Start with one more CPU device "
-                f"(XLA_FLAGS=--xla_force_host_platform_device_count={len(devices) + 1}) and build the mesh without "
-                "it, or call tx.update outside jit"
-            )
-        host, needed = spare[0], 2 * len(devices) + 1  # a thread per waiting device, per transfer, and one
-    threads = xla_cpu_threads()
-    if threads < needed:
-        raise OffloadError(
-            f"update inside jit on {len(devices)} CPU device(s) needs {needed} XLA CPU threads while the devices "
-            f"wait in their callbacks, but XLA has {threads}; set NPROC={needed} in the environment "
-            "before jax starts, or call tx.update outside jit"
-        )
-    return JitLayout(mesh, specs, host)
-
-
 def host_update(
-    layout: JitLayout,
+    layout: CallbackLayout,
     on_device: Callable[..., list[np.ndarray]],
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array] | None,
@@ -173,7 +56,7 @@ def host_update(
     """Traces the update as one ``on_device(step, device_index, uniform, *grad_blocks, *param_blocks)`` per device.
 
     Args:
-      layout: from :func:`jit_layout`.
+      layout: from :func:`~jax_mlp._src.plan.callback_layout.callback_layout`.
       on_device: runs on the host, once per device of the mesh, with that device's flat index in
         the mesh and its blocks; returns the device's block of each leaf's update.
       grads: the gradient leaves (tracers).
@@ -199,14 +82,6 @@ def host_update(
         check_vma=False,
     )
     return mapped(step, uniform, list(grads), params)
-
-
-def device_index(mesh: Mesh) -> jax.Array:
-    """Inside ``shard_map`` over ``mesh``: this device's flat index in ``mesh.devices`` (an int32)."""
-    index = sum(
-        jax.lax.axis_index(name) * math.prod(mesh.devices.shape[i + 1 :]) for i, name in enumerate(mesh.axis_names)
-    )
-    return jnp.int32(index)
 
 
 class Rendezvous:
@@ -266,47 +141,64 @@ class Rendezvous:
 
 
 class JitRoute:
-    """The in-jit route of one offloader: the layout it runs on, or the reason it cannot.
-
-    Made at ``init``; :meth:`trace` is what ``update`` becomes when traced. A layout that would not
-    run is only refused when the route is taken, since most users never trace ``update``.
+    """The in-jit route of one offloader: :meth:`run` is what ``update`` becomes when traced.
 
     Args:
+      calls: the offload's call checks (for the uniform values).
+      config: the offload's options.
       plan: the subgroups.
       sharding: the leaves' shardings and owned shards.
-      leaves: the params given to ``init``.
+      layout: where the params live for host callbacks, or None where they cannot be mapped.
+      unusable: why there is no layout.
       stream: runs each step's update, on the host CPU device.
-      peer_timeout: seconds each device's callback waits for the others and for the update.
+      overlap: the update a backward may have started (undone here: none runs inside jit).
     """
 
     def __init__(
-        self, plan: Plan, sharding: LeafSharding, leaves: Sequence[Any], stream: StateStream, peer_timeout: float
+        self,
+        calls: Calls,
+        config: OffloadConfig,
+        plan: Plan,
+        sharding: LeafSharding,
+        layout: CallbackLayout | None,
+        unusable: str | None,
+        stream: StateStream,
+        overlap: Overlap,
     ):
-        self._plan = plan
-        self._stream = stream
+        self._calls, self._config, self._plan, self._stream, self._overlap = calls, config, plan, stream, overlap
+        self.layout, self._unusable = layout, unusable
         self._failure: str | None = None
-        self.unusable: str | None = None
         self._announced = False
-        self.layout: JitLayout | None = None
-        try:
-            self.layout = jit_layout([spec.path for spec in plan.leaves], leaves)
-        except OffloadError as error:
-            self.unusable = str(error)
-            return
-        devices = self.layout.mesh.local_devices
-        self._keys = sharding.block_keys(plan, devices)
-        self._rendezvous = Rendezvous(len(devices), peer_timeout)
+        if layout is not None:
+            devices = layout.mesh.local_devices
+            self._keys = sharding.block_keys(plan, devices)
+            self._rendezvous = Rendezvous(len(devices), config.peer_timeout)
 
-    def trace(
-        self, grads: Sequence[jax.Array], params: Sequence[jax.Array] | None, step: jax.Array, uniform: Uniform
-    ) -> list:
-        """Traces one update as a host callback per device; returns the update leaves, sharded as the params.
+    def run(self, call: Call) -> Outcome:
+        """Traces one update as a host callback per device: the update leaves, sharded as the params.
 
         Raises:
-          OffloadError: the params' layout cannot run inside jit; the message says what to change.
+          OffloadError: the params' layout cannot run inside jit, or the offload accumulates; the message
+            says what to change.
         """
+        window.refuse_multisteps()
+        if self._config.accumulate_steps > 1:
+            raise OffloadError(
+                f"mlp_offload with accumulate_steps={self._config.accumulate_steps} was called inside jax.jit; "
+                "accumulation runs eagerly: call tx.update (or nnx.Optimizer.update) outside jit, with the jitted "
+                "loss and gradients before it, or accumulate in your jitted step and create the mlp_offload "
+                "without accumulate_steps"
+            )
         if self.layout is None:
-            raise OffloadError(self.unusable)
+            raise OffloadError(self._unusable)
+        uniform, new_shared = self._calls.uniform(call)
+        state = call.state
+        leaves = self._trace(call.grads, call.params, state.step, uniform)
+        return Outcome(leaves, call.grads_tree, OffloadState(state.step + 1, new_shared), None)
+
+    def _trace(
+        self, grads: Sequence[jax.Array], params: Sequence[jax.Array] | None, step: jax.Array, uniform: Uniform
+    ) -> list:
         self._announce()
         shapes = self.layout.block_shapes([spec.shape for spec in self._plan.leaves])
         out_blocks = [jax.ShapeDtypeStruct(shape, update_dtype(self._plan, i)) for i, shape in enumerate(shapes)]
@@ -362,9 +254,10 @@ class JitRoute:
                 "on storage: close this mlp_offload and create it again with resume=True"
             )
         try:
+            self._overlap.settle()
             blocks = self._blocks_on(self.layout.host, blocks_by_device, uniform)
             with jax.default_device(self.layout.host):
-                results = self._stream.update(step, blocks, IN_CALLBACK)
+                results = self._stream.advance(step, blocks, IN_CALLBACK)
         except BaseException as error:
             self._failure = f"{type(error).__name__}: {error}"
             raise

@@ -33,10 +33,10 @@ from jax.experimental import io_callback
 
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
-from jax_mlp._src.offload import accumulation
-from jax_mlp._src.offload.in_jit import JitLayout, device_index
+from jax_mlp._src.offload import window as accumulation_window
+from jax_mlp._src.plan.callback_layout import CallbackLayout, device_index
 from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.plan.programs import Programs, Uniform
+from jax_mlp._src.plan.programs import Uniform
 from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey, LeafSharding, in_memory
 from jax_mlp._src.stream.arrivals import Arrivals, Cancelled, FollowedUpdates, Mailbox, fingerprint
 from jax_mlp._src.stream.blocks import Blocks, Staging
@@ -46,7 +46,7 @@ from jax_mlp._src.stream.state_stream import EAGER, StateStream, Transaction
 logger = logging.getLogger(__name__)
 
 
-class _Basis(NamedTuple):
+class Basis(NamedTuple):
     """What an overlapped update assumes besides the grads, checked against ``update``'s call.
 
     Attributes:
@@ -66,7 +66,7 @@ class _Basis(NamedTuple):
 class _Round:
     """One step's overlapped update: what it assumes, its arrivals, and the transaction its thread streams."""
 
-    def __init__(self, basis: _Basis, arrivals: Arrivals):
+    def __init__(self, basis: Basis, arrivals: Arrivals):
         self.basis = basis
         self.arrivals = arrivals
         self.streaming: float | None = None  # when its transaction began streaming
@@ -83,7 +83,7 @@ class Overlap:
       plan: the subgroups.
       sharding: each leaf's sharding and owned shards, as at ``init``.
       stream: the offloaded state; an overlapped update is a transaction of it.
-      layout: where the params live (the in-jit route's layout), or None where it cannot serve.
+      layout: where the params live for host callbacks, or None where they cannot be mapped.
       unusable: why there is no layout.
       needs_params: whether the update reads the params (the inner optimizer does, or a master is kept).
     """
@@ -94,7 +94,7 @@ class Overlap:
         plan: Plan,
         sharding: LeafSharding,
         stream: StateStream,
-        layout: JitLayout | None,
+        layout: CallbackLayout | None,
         unusable: str | None,
         needs_params: bool,
     ):
@@ -104,7 +104,7 @@ class Overlap:
         self.timeout = config.io_timeout
         self._lock = threading.Lock()
         self._round: _Round | None = None
-        self._basis: _Basis | None = None  # what the next step's update may assume; None: no overlap
+        self._basis: Basis | None = None  # what the next step's update may assume; None: no overlap
         self._owed: set[tuple[str, BlockKey]] = set()  # blocks a finished step's backward has still to hand over
         self._pending: dict[str, dict[str, Any]] = {}  # the notes of a round undone before update came
         self._kinds = ("grads", "params") if needs_params else ("grads",)
@@ -223,7 +223,6 @@ class Overlap:
             order = self._stream.scheduler.order(self._basis.step)
             arrivals = Arrivals(order, self._keys_of, self._config.prefetch_depth + 1)
             self._round = round_ = _Round(self._basis, arrivals)
-            self._stream.held = functools.partial(self._abort, round_, "the offloader was used before update")
             threading.Thread(target=self._speculate, args=(round_,), daemon=True, name="jax_mlp-overlap").start()
             return round_
 
@@ -245,8 +244,8 @@ class Overlap:
                 if basis.window is None:
                     return block
                 count, means = basis.window
-                window = accumulation.Window(count, [means[key]])
-                return accumulation.add([block], window, self._config.accumulator_dtype)[0][0]
+                window = accumulation_window.Window(count, [means[key]])
+                return accumulation_window.add([block], window, self._config.accumulator_dtype)[0][0]
 
             arrivals = round_.arrivals
             grads = Mailbox(arrivals, "grads", put_grads, self.timeout)
@@ -262,7 +261,7 @@ class Overlap:
 
     # ----------------------------------------------------------------------------- finishing the step
 
-    def expect(self, basis: _Basis | None, grads: Sequence[jax.Array] = ()) -> None:
+    def expect(self, basis: Basis | None, grads: Sequence[jax.Array] = ()) -> None:
         """What the next step's overlapped update may assume; None: the next backward starts none.
 
         ``grads`` are those of the call that says so: dispatch is asynchronous, so the backward that made
@@ -275,15 +274,22 @@ class Overlap:
             self._basis = basis
 
     def basis(
-        self, step: int, devices: Sequence[jax.Device | None], shared: Any, programs: Programs, window: Any = None
-    ) -> _Basis:
-        """The basis of the update from ``step``, with the handle's ``shared`` state and, accumulating, ``window``."""
-        successor = programs.shared_update(shared, {})
+        self, grads: Sequence[Any], shared: Any, window: accumulation_window.Window | None = None
+    ) -> Basis | None:
+        """What an update the next backward starts may assume: the tiers' step, the subgroups' devices (as
+        ``grads`` are placed), the handle's ``shared`` state and, accumulating, the ``window`` its grads complete.
+
+        None where no overlap can run (see :attr:`usable`), or from shapes alone (a resume or restore onto
+        ``jax.ShapeDtypeStruct`` s): the next step then runs split.
+        """
+        if not self.usable or not all(isinstance(x, jax.Array) for x in grads):
+            return None
+        successor = self._stream.programs.shared_update(shared, {})
         leaves = jax.tree_util.tree_leaves
         uniform = Uniform(tuple(leaves(shared)), tuple(leaves(successor)), {})
-        if window is not None:
-            window = (window.mini_step, self._sharding.block_map(window.acc_grads))
-        return _Basis(step, tuple(devices), uniform, window)
+        kept = None if window is None else (window.mini_step, self._sharding.block_map(window.acc_grads))
+        devices = tuple(self._sharding.devices(self._plan, grads))
+        return Basis(self._stream.step, devices, uniform, kept)
 
     def finish(self, blocks: Blocks) -> tuple[dict[BlockKey, Any] | None, dict[str, Any]]:
         """Finishes the step's overlapped update with the final ``blocks``, if one was started.
@@ -331,6 +337,14 @@ class Overlap:
         with self._lock:
             round_, self._basis = self._round, None
         return round_
+
+    def settle(self) -> None:
+        """Undoes the step's overlapped update, if one is running, before another use of the stream (``flush``, a
+        save, a call within an accumulation window, the in-jit route, ``close``); the next update's stats say so."""
+        with self._lock:
+            round_ = self._round
+        if round_ is not None:
+            self._abort(round_, "the offloader was used before update")
 
     def abandon(self, reason: str) -> dict[str, Any]:
         """Rolls back the step's overlapped update, if one was started (``apply``, ``close``); its stats' notes."""
@@ -382,7 +396,6 @@ class Overlap:
         with self._lock:
             self._owed = round_.arrivals.owed(self._kinds)
             self._round = None
-            self._stream.held = None
 
 
 def _bits(x: Any) -> bytes:

@@ -1,9 +1,8 @@
-"""Planning one offload: the optimizer check, the subgroups of the params, and the state stream built for them."""
+"""Planning one offload: the optimizer check, then the subgroups of the params, and what ``init`` needs of them."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -14,17 +13,7 @@ import optax
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.plan import optimizer_check, partition
 from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.plan.programs import Programs
 from jax_mlp._src.plan.sharding import LeafSharding
-from jax_mlp._src.schedule.performance import starting_speed
-from jax_mlp._src.schedule.scheduler import Scheduler
-from jax_mlp._src.stats import UpdateStats
-from jax_mlp._src.storage.cache import HostCache
-from jax_mlp._src.storage.paths import PathStore
-from jax_mlp._src.storage.record import HEADER_SIZE, record_codec
-from jax_mlp._src.storage.tier_stack import TierStack
-from jax_mlp._src.stream.engine import Engine
-from jax_mlp._src.stream.state_stream import StateStream
 
 
 class Planned(NamedTuple):
@@ -61,44 +50,6 @@ def plan_params(inner: optax.GradientTransformationExtraArgs, config: OffloadCon
 def signature(leaf: Any) -> tuple:
     """What a plan depends on of a param leaf: its shape, dtype and sharding."""
     return tuple(np.shape(leaf)), jnp.result_type(leaf), getattr(leaf, "sharding", None)
-
-
-def open_stream(
-    inner: optax.GradientTransformationExtraArgs,
-    config: OffloadConfig,
-    plan: Plan,
-    paths: list[PathStore],
-    peer_key: str,
-    on_stats: Callable[[UpdateStats], None] | None,
-    notes: dict[str, Any],
-) -> StateStream:
-    """The state stream of ``plan`` on opened ``paths``: its programs, scheduler (from each path's
-    declared or probed speed), tiers and engine."""
-    scheduler = Scheduler(
-        [HEADER_SIZE + subgroup.layout.nbytes for subgroup in plan.subgroups],
-        [starting_speed(path, config.probe) for path in config.paths],
-        order=config.order,
-        placement=config.placement,
-        rebalance=config.rebalance,
-    )
-    tiers = TierStack(
-        HostCache(config.host_cache),
-        paths,
-        plan.layout_hash,
-        record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash),
-    )
-    engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
-    return StateStream(
-        config,
-        plan,
-        Programs(inner, plan),
-        scheduler,
-        tiers,
-        engine,
-        peer_key=peer_key,
-        on_stats=on_stats,
-        init_notes=notes,
-    )
 
 
 def _warn_of(oversized: dict[str, int], plan: Plan, subgroup_size: int) -> None:

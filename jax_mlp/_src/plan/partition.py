@@ -93,7 +93,11 @@ def piece_shape(spec: LeafSpec, piece: Piece) -> tuple[int, ...]:
     return (piece.rows[1] - piece.rows[0], *shape[1:])
 
 
-def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+Box = tuple[tuple[int, int], ...]
+"""A region of an array: ``[start, stop)`` per dimension."""
+
+
+def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     """A shard's ``index`` (slices, as jax gives them) as ``[start, stop)`` per dimension."""
     return tuple((sl.start or 0, size if sl.stop is None else sl.stop) for sl, size in zip(index, shape, strict=True))
 

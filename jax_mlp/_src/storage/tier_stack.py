@@ -68,8 +68,8 @@ class Pin:
                 )
 
 
-class Transfer(NamedTuple):
-    """One record moved between host RAM and a path, as the tier stack reports it to its caller.
+class RecordIO(NamedTuple):
+    """One record read from or written to a path, as the tier stack reports it to its caller.
 
     Attributes:
       kind: ``"read"`` or ``"write"``.
@@ -92,7 +92,7 @@ class Fetched(NamedTuple):
     """A subgroup's fields, and the read that brought them (None: the host cache served them)."""
 
     fields: Any
-    read: Transfer | None
+    read: RecordIO | None
 
 
 class Locations(NamedTuple):
@@ -113,7 +113,7 @@ class TierStack:
     Fields go in and come out; ``codec`` packs them into a record only when they leave RAM for a
     path, and unpacks what is read back. Each store is told the path each subgroup's record goes
     to (its caller's placement, as data), and each read and write comes back as a
-    :class:`Transfer`. Where each subgroup's newest stored record lives is kept under a lock, since
+    :class:`RecordIO`. Where each subgroup's newest stored record lives is kept under a lock, since
     reader and writer threads use it at once. Dirty cached fields reach storage on eviction or
     through :meth:`write_back`.
 
@@ -191,10 +191,10 @@ class TierStack:
             )
         started = time.perf_counter()
         payload = self._read(self.paths[index], subgroup, step)
-        read = Transfer("read", index, subgroup, HEADER_SIZE + payload.nbytes, started, time.perf_counter())
+        read = RecordIO("read", index, subgroup, HEADER_SIZE + payload.nbytes, started, time.perf_counter())
         return Fetched(self.codec.unpack(subgroup, payload), read)
 
-    def write(self, subgroup: int, fields: Any, step: int, path: int) -> Transfer:
+    def write(self, subgroup: int, fields: Any, step: int, path: int) -> RecordIO:
         """Packs ``fields`` into a sealed record and writes it, as step ``step``, to path index ``path``."""
         for pin in self._live_pins():
             if pin.keeps(subgroup, path, step % 2):
@@ -202,7 +202,7 @@ class TierStack:
         record = self.codec.pack(subgroup, fields, step)
         started = time.perf_counter()
         self.paths[path].write(subgroup, step % 2, record)
-        written = Transfer("write", path, subgroup, record.nbytes, started, time.perf_counter())
+        written = RecordIO("write", path, subgroup, record.nbytes, started, time.perf_counter())
         with self._lock:
             previous = self._path_of.get(subgroup)
             if previous is not None and previous != path:
@@ -235,7 +235,7 @@ class TierStack:
         step: int,
         placement: Sequence[int],
         cached: frozenset[int] | None = None,
-    ) -> list[Transfer]:
+    ) -> list[RecordIO]:
         """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits, else writes them.
 
         What the cache evicts to make room is written if dirty. Each record goes to the path
@@ -251,7 +251,7 @@ class TierStack:
         evicted = self.cache.put(subgroup, CacheEntry(fields, record_nbytes, step, dirty=True))
         return [self.write(k, entry.fields, entry.step, placement[k]) for k, entry in evicted if entry.dirty]
 
-    def write_back(self, subgroup: int, entry: CacheEntry, path: int) -> Transfer:
+    def write_back(self, subgroup: int, entry: CacheEntry, path: int) -> RecordIO:
         """Writes dirty cached fields to path index ``path`` and marks them clean."""
         written = self.write(subgroup, entry.fields, entry.step, path)
         self.cache.mark_clean(subgroup, entry.step)

@@ -31,7 +31,7 @@ class Staging:
     A program that donated a host buffer into a device output aborts the process (SIGABRT, not an
     exception: see docs/architecture.md, "Params and grads in host memory"), and one that mixes host
     and device operands fails to compile; so every program takes device arrays only. A piece's host
-    grad and param blocks are copied to its device just before its program (:meth:`to_device`), and
+    grad and param blocks are copied to its device just before its program (:meth:`on_device`), and
     each result goes back to its leaf's memory kind once its block has no piece left (:meth:`out`). A
     block cut into row chunks keeps its device copies, and its result, on the device from its first
     chunk to its last, so each of its bytes crosses the link once each way. Blocks already in device
@@ -47,7 +47,7 @@ class Staging:
         self._left = collections.Counter((p.leaf, p.device) for subgroup in plan.subgroups for p in subgroup.pieces)
         self._copies: dict[tuple[str, BlockKey], jax.Array] = {}
 
-    def to_device(self, name: str, key: BlockKey, block: jax.Array) -> jax.Array:
+    def on_device(self, name: str, key: BlockKey, block: jax.Array) -> jax.Array:
         """The ``name`` block (``"grads"`` or ``"params"``) of ``key`` in device memory, copied once per update."""
         if self._kinds[key[0]] == DEVICE_MEMORY:
             return block
@@ -109,7 +109,7 @@ class Blocks(NamedTuple):
     def args(self, subgroup: Subgroup, fields: tuple) -> SubgroupArgs:
         """The program arguments of ``subgroup`` with its fetched ``fields``, on its device."""
         keys = [(p.leaf, p.device) for p in subgroup.pieces]
-        grads = [self.staging.to_device("grads", key, self.grads[key]) for key in keys]
+        grads = [self.staging.on_device("grads", key, self.grads[key]) for key in keys]
         return SubgroupArgs.of(subgroup, self.devices[subgroup.index], grads, fields, self.uniform)
 
     def params_of(self, subgroup: Subgroup) -> list[jax.Array] | None:
@@ -117,7 +117,7 @@ class Blocks(NamedTuple):
         if self.params is None:
             return None
         return [
-            self.staging.to_device("params", (p.leaf, p.device), self.params[p.leaf, p.device]) for p in subgroup.pieces
+            self.staging.on_device("params", (p.leaf, p.device), self.params[p.leaf, p.device]) for p in subgroup.pieces
         ]
 
 

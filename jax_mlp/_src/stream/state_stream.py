@@ -5,11 +5,12 @@ programs, the scheduler, the tiers and the engine. Each update is a :class:`Tran
 settles the idle-time I/O and remembers where every record was, ``stream_subgroups`` runs the subgroups
 through the engine, and either ``end`` commits the step (stats, scheduler feedback, idle-time
 write-back and prefetch) or ``abort`` forgets every trace of it, so the previous step stays intact.
-:meth:`StateStream.update` is that sequence, for the eager and the in-jit route alike; the two
-differ only in their :class:`~jax_mlp._src.stream.blocks.Blocks` and :class:`Route`. An update that overlaps the backward
-pass runs the same steps, split over two threads (:mod:`~jax_mlp._src.offload.overlap`). The fused apply
-runs it too, with the :data:`LATE_PUT` route and :class:`~jax_mlp._src.stream.blocks.NewParams`
-keeping its results.
+:meth:`StateStream.advance` is that sequence, for every route of ``jax_mlp._src.offload``; they
+differ only in their :class:`~jax_mlp._src.stream.blocks.Blocks`, :class:`Moves` and results. An
+update that overlaps the backward pass runs the same steps, split over two threads; the fused apply
+runs them with the :data:`LATE_PUT` moves and :class:`~jax_mlp._src.stream.blocks.NewParams`
+keeping its results. One transaction is open at a time: the stream refuses to begin another, flush
+or pin while one is (the offloader settles an overlapped one before any other use).
 
 The engine calls back up through callables: an update hands it this module's ``fetch`` (on reader
 threads; idle-time reads ahead call the same one), ``compute`` (on the caller's thread) and ``store``
@@ -49,8 +50,8 @@ from jax_mlp._src.stream.transfer import choose
 logger = logging.getLogger(__name__)
 
 
-class Route(NamedTuple):
-    """On which threads a route moves a subgroup's fields between host and device (by the stream's transfer).
+class Moves(NamedTuple):
+    """On which threads a subgroup's fields move between host and device (by the stream's transfer).
 
     Attributes:
       put_on_reader: the reader thread puts the fetched fields on the device; else the compute thread
@@ -62,14 +63,14 @@ class Route(NamedTuple):
     get_on_compute: bool
 
 
-EAGER = Route(put_on_reader=True, get_on_compute=False)
-"""The eager route: readers put the fields on the device, writers bring the results back."""
+EAGER = Moves(put_on_reader=True, get_on_compute=False)
+"""An eager update: readers put the fields on the device, writers bring the results back."""
 
-LATE_PUT = Route(put_on_reader=False, get_on_compute=False)
-"""The fused apply's route: fetched fields stay on the host until their program is about to run,
+LATE_PUT = Moves(put_on_reader=False, get_on_compute=False)
+"""The fused apply's moves: fetched fields stay on the host until their program is about to run,
 so the device holds one subgroup's fields besides the writes in flight, never the reads ahead."""
 
-IN_CALLBACK = Route(put_on_reader=False, get_on_compute=True)
+IN_CALLBACK = Moves(put_on_reader=False, get_on_compute=True)
 """Streaming inside a device's host callback: a CPU device then runs only work that the callback's
 own thread puts on it and waits for, so transfers and results stay on that thread."""
 
@@ -153,7 +154,7 @@ class StateStream:
         self.idle = IdleIO(config, scheduler, tiers, engine, self.counters, self._fetch)
         self.transfer = choose(config.transfer, jax.local_devices())
         self._total_compiles = 0
-        self.held: Callable[[], None] | None = None  # undoes a transaction open on another thread (see update)
+        self._open: Transaction | None = None  # the transaction begun and not yet ended or aborted
 
     # ----------------------------------------------------------------------------- filling the tiers
 
@@ -170,7 +171,7 @@ class StateStream:
         def compute(index: int, _: None) -> tuple:
             subgroup = self.plan.subgroups[index]
             keys = [(p.leaf, p.device) for p in subgroup.pieces]
-            blocks = [staging.to_device("params", key, params[key]) for key in keys]
+            blocks = [staging.on_device("params", key, params[key]) for key in keys]
             computed = self.programs.init(subgroup, blocks, devices[index])
             staging.done(subgroup)
             return computed
@@ -217,11 +218,11 @@ class StateStream:
 
     # ----------------------------------------------------------------------------- one update
 
-    def update(
+    def advance(
         self,
         step: int,
         blocks: Blocks,
-        route: Route,
+        moves: Moves,
         results: Results | None = None,
         notes: Mapping[str, Any] = MappingProxyType({}),
     ) -> dict[BlockKey, Any]:
@@ -235,12 +236,11 @@ class StateStream:
           OffloadError: ``step`` is not the step the tiers hold.
           Any error of the stream, after the transaction was aborted: step ``step`` is intact.
         """
-        self._settle_held()
         self.check_step(step)
         transaction = self.begin()
         try:
             updates, timings, compiles = self.stream_subgroups(
-                transaction, blocks, route, results or UpdateBlocks(self.plan)
+                transaction, blocks, moves, results or UpdateBlocks(self.plan)
             )
         except BaseException:
             self.abort(transaction)
@@ -248,12 +248,13 @@ class StateStream:
         self.end(transaction, timings, compiles, notes)
         return updates
 
-    def _settle_held(self) -> None:
-        """Undoes a transaction open on another thread (``held``: an overlapped update) before this one uses the
-        stream; ``held`` must undo it and set ``held`` back to None."""
-        cancel = self.held
-        if cancel is not None:
-            cancel()
+    def _check_closed_transaction(self, doing: str) -> None:
+        """Refuses ``doing`` while a transaction is open: the offloader settles an overlapped one first."""
+        if self._open is not None:
+            raise OffloadError(
+                f"internal error: {doing} while the update from step {self._open.step} is still open; "
+                "close this mlp_offload and create it again with resume=True"
+            )
 
     def check_step(self, step: int) -> None:
         """Refuses an ``opt_state`` at another step than the tiers hold."""
@@ -266,14 +267,17 @@ class StateStream:
 
     def begin(self) -> Transaction:
         """Settles idle-time I/O, drops the records moves left behind, and remembers what to restore."""
+        self._check_closed_transaction("beginning an update")
         background_wait = self.engine.wait_background()
         self.tiers.drop_moved()
         placement = tuple(self.scheduler.placement)
         cached = self.scheduler.cached(self.config.host_cache)
-        return Transaction(self.step, placement, self.idle.take_ahead(), self.tiers.locations, background_wait, cached)
+        ahead = self.idle.take_ahead()
+        self._open = Transaction(self.step, placement, ahead, self.tiers.locations, background_wait, cached)
+        return self._open
 
     def stream_subgroups(
-        self, transaction: Transaction, blocks: Blocks, route: Route, results: Results
+        self, transaction: Transaction, blocks: Blocks, moves: Moves, results: Results
     ) -> tuple[dict[BlockKey, Any], Timings, int]:
         """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
 
@@ -292,16 +296,16 @@ class StateStream:
                 fields = self.engine.result(early, f"reading {describe(index)} ahead")
             else:
                 fields = self._fetch(index, step)
-            return self.transfer.to_device(fields, blocks.devices[index]) if route.put_on_reader else fields
+            return self.transfer.to_device(fields, blocks.devices[index]) if moves.put_on_reader else fields
 
         def compute(index: int, fetched: Any) -> tuple:
             started = time.perf_counter()
             subgroup = self.plan.subgroups[index]
-            on_device = fetched if route.put_on_reader else self.transfer.to_device(fetched, blocks.devices[index])
+            on_device = fetched if moves.put_on_reader else self.transfer.to_device(fetched, blocks.devices[index])
             out = results.compute(self.programs, subgroup, blocks, on_device)
             self.counters.computed(index, started)
             new = (out.state_leaves, out.master_leaves)
-            return tuple(self.transfer.to_host(leaves) for leaves in new) if route.get_on_compute else new
+            return tuple(self.transfer.to_host(leaves) for leaves in new) if moves.get_on_compute else new
 
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
@@ -320,6 +324,7 @@ class StateStream:
 
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
+        self._open = None
         self.tiers.cache.discard_unless_step(transaction.step)
         self.tiers.restore(transaction.locations)
         self.engine.settle(transaction.ahead.take_all())
@@ -328,6 +333,7 @@ class StateStream:
         self, transaction: Transaction, timings: Timings, compiles: int, notes: Mapping[str, Any] = MappingProxyType({})
     ) -> None:
         """Commits the step: stats (with ``notes`` among them), idle-time I/O, and with several processes a barrier."""
+        self._open = None
         self.step = transaction.step + 1
         self._finish(self.step, timings, compiles, transaction.background_wait, notes)
         if jax.process_count() > 1:
@@ -397,12 +403,12 @@ class StateStream:
 
     def use_idle_window(self) -> None:
         """A call that only accumulates gradients: reads further ahead for the next update (see :class:`IdleIO`)."""
-        self._settle_held()
+        self._check_closed_transaction("accumulating grads")
         self.idle.use_window(self.step)
 
     def flush(self) -> None:
         """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
-        self._settle_held()
+        self._check_closed_transaction("flushing")
         self.idle.flush()
 
     def pin(self) -> Pin:
@@ -413,7 +419,6 @@ class StateStream:
     def close(self, *, delete: bool) -> None:
         """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
         try:
-            self._settle_held()
             self.idle.settle()
             self.engine.close()
             self.tiers.cache.clear()

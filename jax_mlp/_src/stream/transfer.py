@@ -43,8 +43,8 @@ def _pinned(device: jax.Device) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device, memory_kind=_PINNED)
 
 
-class TransferPath(NamedTuple):
-    """One of the two paths; ``name`` (``"pinned"`` or ``"plain"``) is what the stats report."""
+class Transfer(NamedTuple):
+    """How fields cross between host and device: ``name`` (``"pinned"`` or ``"plain"``) is what the stats report."""
 
     name: str
 
@@ -69,19 +69,19 @@ class TransferPath(NamedTuple):
         return [np.asarray(x) for x in arrays]  # a zero-copy view of host memory, pinned or a CPU device's
 
 
-def choose(option: str, devices: Sequence[jax.Device]) -> TransferPath:
-    """The path ``option`` (``"auto"``, ``"pinned"`` or ``"plain"``, as ``OffloadConfig.transfer``) takes on ``devices``.
+def choose(option: str, devices: Sequence[jax.Device]) -> Transfer:
+    """The transfer ``option`` (``"auto"``, ``"pinned"`` or ``"plain"``, as ``OffloadConfig.transfer``) takes on ``devices``.
 
     Raises:
       OffloadError: ``"pinned"`` where a device has no ``pinned_host`` memory.
     """
     pinned = all(has_pinned_host(d) for d in devices)
     if option == "auto":
-        return TransferPath("pinned" if pinned and all(d.platform in _GPU_PLATFORMS for d in devices) else "plain")
+        return Transfer("pinned" if pinned and all(d.platform in _GPU_PLATFORMS for d in devices) else "plain")
     if option == "pinned" and not pinned:
         missing = next(d for d in devices if not has_pinned_host(d))
         raise OffloadError(
             f"transfer='pinned' needs a pinned_host memory on every device, but {missing} has none: "
             "pass transfer='auto' or 'plain'"
         )
-    return TransferPath(option)
+    return Transfer(option)

@@ -1,4 +1,4 @@
-"""``restore_params``: the params at the offload's step, from the master copy in the tiers, with no checkpoint."""
+"""The params at the offload's step, from the master copy in its tiers, with no checkpoint (``restore_params``)."""
 
 from __future__ import annotations
 
@@ -8,50 +8,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mlp._src.checkpoint.layout import Box
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload.inputs import check_tree
 from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.plan import partition, remainders
+from jax_mlp._src.plan.partition import Box
 from jax_mlp._src.stream.engine import Engine
-from jax_mlp._src.transform import OffloadTransformation, offloader_of
 
 
-def restore_params(offload: OffloadTransformation | Offloader, params_like: Any) -> Any:
-    """The params at the offload's step, from its master copy in the tiers: resume after a crash.
+def params_from_masters(offloader: Offloader, params_like: Any) -> Any:
+    """The params at the offload's step, from the whole masters in its tiers (``jax_mlp.restore_params``).
 
-    Each leaf is ``master.astype(param dtype)``, which is exactly what training had applied, so a
-    run resumed with ``mlp_offload(..., resume=True)`` needs no checkpoint. Reads stream subgroup by
-    subgroup; the result takes the params' memory once.
-
-    Args:
-      offload: an initialised ``mlp_offload`` with ``master_dtype`` (typically just resumed).
-      params_like: the params' tree of arrays or ``jax.ShapeDtypeStruct``s: structure, shapes, dtypes
-        and, if present, shardings of the result.
-
-    Returns:
-      The params, as jax arrays placed like ``params_like`` (default device if it has no sharding).
-
-    Example:
-      >>> import tempfile
-      >>> import jax.numpy as jnp, optax, jax_mlp
-      >>> params = {"w": jnp.array([1., 2., 3.], jnp.bfloat16)}
-      >>> options = dict(paths=[tempfile.mkdtemp()], master_dtype=jnp.float32)
-      >>> with jax_mlp.mlp_offload(optax.adam(0.1), **options) as offload:
-      ...   opt_state = offload.init(params)
-      ...   params, opt_state = offload.apply({"w": jnp.ones(3, jnp.bfloat16)}, opt_state, params)
-      >>> with jax_mlp.mlp_offload(optax.adam(0.1), resume=True, **options) as offload:  # after a crash, say
-      ...   opt_state = offload.init(params)
-      ...   restored = jax_mlp.restore_params(offload, params)
-      >>> restored["w"]
-      Array([0.898438, 1.89844, 2.90625], dtype=bfloat16)
-      >>> bool((restored["w"] == params["w"]).all())
-      True
+    Each leaf is ``master.astype(param dtype)``, exactly what training had applied. The step is pinned
+    and read subgroup by subgroup; the result takes the params' memory once, placed like ``params_like``.
     """
-    offloader = offloader_of(offload)
-    plan = offloader.plan
-    if plan is None:
+    if offloader.live is None:
         raise OffloadError("restore_params needs an initialised mlp_offload: create it with resume=True and call init")
+    plan, sharding = offloader.live.plan, offloader.live.sharding
     if plan.master_dtype is None:
         raise OffloadError(
             "this mlp_offload keeps no master params (master_dtype=None), so the tiers cannot give the params back; "
@@ -86,7 +59,7 @@ def restore_params(offload: OffloadTransformation | Offloader, params_like: Any)
         engine.close()
         pin.release()
     placed = [
-        _placed(index, spec.shape, offloader.sharding.shardings[index], getattr(like, "sharding", None), blocks)
+        _placed(index, spec.shape, sharding.shardings[index], getattr(like, "sharding", None), blocks)
         for index, (spec, like) in enumerate(zip(plan.leaves, likes, strict=True))
     ]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params_like), placed)

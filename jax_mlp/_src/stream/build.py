@@ -1,0 +1,59 @@
+"""The state stream of a plan on opened paths: its programs, scheduler, tiers and engine, built for ``init``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+from jax_mlp._src.config import OffloadConfig
+from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.plan.programs import Programs
+from jax_mlp._src.schedule.performance import starting_speed
+from jax_mlp._src.schedule.scheduler import Scheduler
+from jax_mlp._src.stats import UpdateStats
+from jax_mlp._src.storage.cache import HostCache
+from jax_mlp._src.storage.paths import PathStore
+from jax_mlp._src.storage.record import HEADER_SIZE, record_codec
+from jax_mlp._src.storage.tier_stack import TierStack
+from jax_mlp._src.stream.engine import Engine
+from jax_mlp._src.stream.state_stream import StateStream
+
+
+def build_stream(
+    inner: optax.GradientTransformationExtraArgs,
+    config: OffloadConfig,
+    plan: Plan,
+    paths: list[PathStore],
+    peer_key: str,
+    on_stats: Callable[[UpdateStats], None] | None,
+    notes: dict[str, Any],
+) -> StateStream:
+    """The state stream of ``plan`` on opened ``paths``: its programs, scheduler (from each path's
+    declared or probed speed), tiers and engine."""
+    scheduler = Scheduler(
+        [HEADER_SIZE + subgroup.layout.nbytes for subgroup in plan.subgroups],
+        [starting_speed(path, config.probe) for path in config.paths],
+        order=config.order,
+        placement=config.placement,
+        rebalance=config.rebalance,
+    )
+    tiers = TierStack(
+        HostCache(config.host_cache),
+        paths,
+        plan.layout_hash,
+        record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash),
+    )
+    engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
+    return StateStream(
+        config,
+        plan,
+        Programs(inner, plan),
+        scheduler,
+        tiers,
+        engine,
+        peer_key=peer_key,
+        on_stats=on_stats,
+        init_notes=notes,
+    )
