@@ -168,6 +168,12 @@ def test_update_path_lists_the_modules_one_update_enters_and_nothing_outside_its
     assert json.loads((tmp_path / "update_path.json").read_text()) == result
     modules = result["modules"]
     assert result["count"] == len(modules) == len(set(modules))
-    for hop in ("offload/route.py", "offload/split.py", "stream/state_stream.py", "stream/engine.py", "schedule/scheduler.py"):
+    for hop in (
+        "offload/route.py",
+        "offload/split.py",
+        "stream/state_stream.py",
+        "stream/engine.py",
+        "schedule/scheduler.py",
+    ):
         assert os.path.join("_src", hop) in modules, (hop, modules)
     assert not [m for m in modules if m.startswith((os.path.join("_src", "cli"), os.path.join("_src", "checkpoint")))]
