@@ -53,7 +53,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "jax_mlp.idle": ("stream.idle",),
     "jax_mlp.in_jit": ("offload.in_jit",),
     "jax_mlp.inputs": ("offload.inputs",),
-    "jax_mlp.model": ("schedule.performance", "cli.sizing"),
+    "jax_mlp.model": ("schedule.performance", "cli.ablation", "cli.sizing"),
     "jax_mlp.offloader": ("offload.offloader", "state"),
     "jax_mlp.partition": ("plan.partition",),
     "jax_mlp.peers": ("peers", "errors"),

@@ -10,12 +10,12 @@ import numpy as np
 
 from jax_mlp._src import quantized
 from jax_mlp._src.cli import plan_tables
+from jax_mlp._src.cli.ablation import ABLATION, predict_variant, predict_variant_step
 from jax_mlp._src.cli.command import DEFAULTS, Command, UsageError, argument, parse_count, rate
 from jax_mlp._src.cli.sizing import Compute, Workload, flops_seconds, link_seconds, params_link_seconds
 from jax_mlp._src.cli.speeds import PROBE_SIZE, path_speeds
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.plan import remainders
-from jax_mlp._src.schedule.performance import ABLATION, predict_variant, predict_variant_step
 
 MASTER_BYTES = 4
 """Bytes per param of the fp32 master copy (``--master``), and of its update."""
