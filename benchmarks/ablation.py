@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import optax
 
 import jax_mlp
-from jax_mlp._src import quantized
+from jax_mlp import quantized
 from jax_mlp._src.cli import sizing
 from jax_mlp._src.cli.ablation import ABLATION, Variant, predict_variant
 from jax_mlp._src.config import OffloadConfig
@@ -62,7 +62,7 @@ from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.schedule import performance as model
 from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.stats import UpdateStats
-from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.bandwidth import probe
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 

@@ -17,8 +17,8 @@ from jax_mlp._src.errors import CoupledOptimizerError, OffloadError, PathError, 
 from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.parsing import format_bytes, parse_rate, parse_size
 from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.quantized import QuantizedState, quantized_state
 from jax_mlp._src.state import OffloadState
+from jax_mlp._src.state_codecs import QuantizedState, quantized_state
 from jax_mlp._src.stats import IOEvent, UpdateStats
 from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.transform import OffloadTransformation, mlp_offload

@@ -24,7 +24,7 @@ from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.schedule.scheduler import Scheduler, weighted_interleave
 from jax_mlp._src.stats import format_bytes
 from jax_mlp._src.storage import capacity
-from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.bandwidth import probe
 from jax_mlp._src.storage.record import HEADER_SIZE
 from jax_mlp._src.storage.traffic import Traffic, Usage
 

@@ -27,7 +27,6 @@ _STORAGE = (
     "local",
     "ownership",
     "paths",
-    "probe",
     "record",
     "tier_stack",
     "traffic",
@@ -45,7 +44,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "checkpoint.restore",
     ),
     "jax_mlp.checkpoint_layout": ("checkpoint.layout",),
-    "jax_mlp.cli": ("cli.main", "cli.command", "cli.plan", "cli.probe", "cli.speeds"),
+    "jax_mlp.cli": ("cli.main", "cli.command", "cli.plan_command", "cli.probe_command", "cli.speeds"),
     "jax_mlp.config": ("config", "parsing"),
     "jax_mlp.dependence": ("plan.optimizer_check", "plan.dependencies"),
     "jax_mlp.engine": ("stream.engine",),
@@ -70,6 +69,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "jax_mlp.transfer": ("stream.transfer",),
     "jax_mlp.transform": ("transform",),
     **{f"jax_mlp.storage.{name}": (f"storage.{name}",) for name in _STORAGE},
+    "jax_mlp.storage.probe": ("storage.bandwidth",),
 }
 """Each old module path, and the modules under ``jax_mlp._src`` that now hold its names (searched in order)."""
 

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jax_mlp._src import peers, quantized
+from jax_mlp._src import peers
+from jax_mlp._src import state_codecs as quantized
 from jax_mlp._src.errors import OffloadError, RecordError
 from jax_mlp._src.plan.partition import Plan, treedef_paths
 from jax_mlp._src.storage.paths import PathStore

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jax_mlp._src.config import Path
-from jax_mlp._src.storage.probe import ProbeResult, probe
+from jax_mlp._src.storage.bandwidth import ProbeResult, probe
 
 DEFAULT_BANDWIDTH = 1e9
 """Bytes/s assumed for a path with nothing declared, probed or capped: measurement corrects it."""

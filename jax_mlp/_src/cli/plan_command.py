@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mlp._src import quantized
+from jax_mlp._src import state_codecs
 from jax_mlp._src.cli import plan_tables
 from jax_mlp._src.cli.ablation import ABLATION, predict_variant, predict_variant_step
 from jax_mlp._src.cli.command import DEFAULTS, Command, UsageError, argument, parse_count, rate
@@ -52,7 +52,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         params=parse_count(args.params, "--params"),
         param_bytes=param_bytes,
         update_bytes=MASTER_BYTES if args.master else param_bytes,
-        state_bytes_per_param=args.state_bytes_per_param * quantized.stored_fraction(args.state_codec)
+        state_bytes_per_param=args.state_bytes_per_param * state_codecs.stored_fraction(args.state_codec)
         + _stored_master_bytes(args),
         nodes=args.nodes,
         processes_per_node=args.processes_per_node,
@@ -220,7 +220,7 @@ COMMAND = Command(
         ),
         argument(
             "--state-codec",
-            choices=("none", *quantized.CODECS),
+            choices=("none", *state_codecs.CODECS),
             default="none",
             help="the state as jax_mlp.quantized_state keeps it: bf16 halves it, int8 quarters it (plus a "
             "4-byte block word per 256 values) (default: %(default)s)",

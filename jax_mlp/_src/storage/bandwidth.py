@@ -1,4 +1,4 @@
-"""The bandwidth probe: write and read records through the same tier code that training uses.
+"""A path's bandwidth, measured by the probe: records written and read through the same tier code training uses.
 
 Records go to a scratch directory on the path (``.jax_mlp_probe``) through a :class:`PathStore`
 with the path's own caps and in-flight limit, several at once. Between writing and reading, a

@@ -17,8 +17,8 @@ from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.storage import capacity
+from jax_mlp._src.storage.bandwidth import PROBE_DIRECTORY
 from jax_mlp._src.storage.buffers import POOL_BYTES
-from jax_mlp._src.storage.probe import PROBE_DIRECTORY
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 MiB = 1024**2
