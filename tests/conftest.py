@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax
 import optax
 import pytest
-from helpers import SMALL_SUBGROUP, SMALL_TREE
+from helpers import SMALL_SUBGROUP, SMALL_TREE, STORE_OPTIONS
 
 import jax_mlp
 from jax_mlp._src.plan import partition
@@ -60,7 +60,7 @@ def make_tiers(tmp_path):
 
     def make(host_cache: int, directories=("p0", "p1")):
         plan = partition.make_plan(SMALL_TREE, optax.adam(1e-3), SMALL_SUBGROUP)
-        stores = open_paths([jax_mlp.Path(tmp_path / name) for name in directories])
+        stores = open_paths([jax_mlp.Path(tmp_path / name) for name in directories], **STORE_OPTIONS)
         opened.append(stores)
         codec = record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash)
         return TierStack(HostCache(host_cache), stores, plan.layout_hash, codec), plan

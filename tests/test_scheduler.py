@@ -126,10 +126,10 @@ def test_bits_do_not_depend_on_the_mechanisms_or_on_rebalancing_moves(paths):
 
 
 def test_caps_bound_throughput_from_above():
-    traffic = Traffic(max_inflight=4, max_read=20e6, max_write=10e6)
+    traffic = Traffic(max_inflight=4, lock_file=None, max_read=20e6, max_write=10e6)
     start = time.monotonic()
     for kind, nbytes in (("read", 2_000_000), ("write", 1_000_000), ("read", 2_000_000)):
-        with traffic.transfer(kind, nbytes):
+        with traffic.metered(kind, nbytes):
             pass
     elapsed = time.monotonic() - start
     assert elapsed >= 0.3 * 0.98, "4 MB at 20 MB/s plus 1 MB at 10 MB/s take 0.3 s at least"
@@ -139,13 +139,13 @@ def test_caps_bound_throughput_from_above():
 
 
 def test_in_process_transfers_in_flight_are_limited(tmp_path):
-    traffic = Traffic(max_inflight=2, max_read=50e6, max_write=50e6)
+    traffic = Traffic(max_inflight=2, lock_file=None, max_read=50e6, max_write=50e6)
     import concurrent.futures
 
     held = []  # (start, end) of each transfer's time inside the path's traffic control
 
     def transfer(_):
-        with traffic.transfer("read", 500_000):
+        with traffic.metered("read", 500_000):
             start = time.monotonic()
             time.sleep(0.005)
             held.append((start, time.monotonic()))
@@ -175,22 +175,22 @@ LOCK_CHILD = textwrap.dedent(
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     import optax, jax.numpy as jnp, jax_mlp
     import jax_mlp._src.storage.paths as storage_paths
-    # Each record's transfer, timed inside the path's traffic control (so inside the node lock) on the
+    # Each record's read or write, timed inside the path's traffic control (so inside the node lock) on the
     # clock all processes share: the stats' events also time the wait for the lock, so they overlap.
     held, open_path = [], storage_paths.open_path
 
     def open_timed(*args, **kwargs):
         path = open_path(*args, **kwargs)
-        transfer = path.traffic.transfer
+        metered = path.traffic.metered
 
         @contextlib.contextmanager
         def timed(kind, nbytes):
-            with transfer(kind, nbytes):
+            with metered(kind, nbytes):
                 start = time.monotonic()
                 yield
                 held.append((start, time.monotonic()))
 
-        path.traffic.transfer = timed
+        path.traffic.metered = timed
         return path
 
     storage_paths.open_path = open_timed
