@@ -13,7 +13,7 @@ import tempfile
 
 # Nine fake CPU devices: the sharding tests use the first eight as a 2x4 mesh, and the in-jit route
 # runs the update on the ninth while the mesh's devices wait in their callbacks. That route also needs
-# XLA's CPU thread pools to hold 2 x 8 + 1 threads (see jax_mlp.in_jit). A child process may ask for
+# XLA's CPU thread pools to hold 2 x 8 + 1 threads (see jax_mlp/_src/offload/in_jit.py). A child process may ask for
 # another count. Set before jax starts its backend; other tests use device 0 as before.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=9".strip()

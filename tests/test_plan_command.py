@@ -1,5 +1,5 @@
-"""``cli/plan.py`` with ``cli/sizing.py``, ``cli/plan_tables.py`` and ``cli/speeds.py``: ``jax-mlp plan`` sizes a whole
-run, never crashes, and starts from the library's own defaults.
+"""``cli/plan_command.py`` with ``cli/sizing.py``, ``cli/plan_tables.py`` and ``cli/speeds.py``: ``jax-mlp plan``
+sizes a whole run, never crashes, and starts from the library's own defaults.
 """
 
 from __future__ import annotations

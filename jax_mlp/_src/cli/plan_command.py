@@ -145,7 +145,7 @@ COMMAND = Command(
     handle=handle,
     summary="size a run: device memory, host RAM, disk per path, and the update's and the step's time",
     description=(
-        "Applies the performance model that the scheduler uses (jax_mlp/model.py) to a run and prints:\n"
+        "Applies the performance model that the scheduler uses (jax_mlp/_src/schedule/performance.py) to a run and prints:\n"
         "  per device: the params, the grads and the peak an update adds, for the optax route (update,\n"
         "    then optax.apply_updates) and for the fused apply (activations are not counted);\n"
         "  per node: host RAM for the cache, the records in flight, the staging buffers and the\n"
