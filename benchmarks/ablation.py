@@ -54,14 +54,15 @@ import jax.numpy as jnp
 import optax
 
 import jax_mlp
-from jax_mlp._src import quantized
+from jax_mlp import quantized
 from jax_mlp._src.cli import sizing
+from jax_mlp._src.cli.ablation import ABLATION, Variant, predict_variant
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.schedule import performance as model
 from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.stats import UpdateStats
-from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.bandwidth import probe
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 
@@ -102,12 +103,12 @@ class Row(NamedTuple):
     """One row of the ablation: a variant of the mechanisms, and the codec its state is kept in."""
 
     name: str
-    variant: model.Variant
+    variant: Variant
     codec: str = "none"
 
 
-ROWS = tuple(Row(v.name, v) for v in model.ABLATION) + tuple(
-    Row(f"+{codec} state", model.ABLATION[-1], codec) for codec in quantized.CODECS
+ROWS = tuple(Row(v.name, v) for v in ABLATION) + tuple(
+    Row(f"+{codec} state", ABLATION[-1], codec) for codec in quantized.CODECS
 )
 
 
@@ -123,7 +124,7 @@ def prefetch_depth(depth: int | None = None) -> int:
     return depth if depth is not None else OffloadConfig("/unused").prefetch_depth
 
 
-def options_for(variant: model.Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int | None) -> dict:
+def options_for(variant: Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int | None) -> dict:
     """mlp_offload options that turn the variant's mechanisms on or off; the depths default to the library's."""
     depths = {} if depth is None else dict(prefetch_depth=depth, write_depth=depth)
     return dict(
@@ -285,7 +286,7 @@ def predict_row(
 ) -> model.Prediction:
     """The model's update time and bytes moved for the row's variant on the capped paths."""
     num_records, record_bytes = records
-    return model.predict_variant(
+    return predict_variant(
         row.variant,
         speeds_of(tiers.fast_cap, tiers.slow_cap),
         num_records=num_records,
@@ -341,7 +342,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 def summary(rows: list[dict], plan: Plan, tiers: Tiers, compute_seconds: float) -> dict:
     """The ablation's result: the setting, the rows, and the headline speedups of full and of int8 state."""
-    full = next(row for row in rows if row["variant"] == model.ABLATION[-1].name)
+    full = next(row for row in rows if row["variant"] == ABLATION[-1].name)
     return {
         "state_bytes": tiers.state_bytes,
         "records": len(plan.subgroups),
@@ -382,7 +383,7 @@ def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_sec
     """Cuts the slow path's cap to a quarter after 4 updates; returns times against the model."""
     tiers = tiers_of(args)
     fast, slow = capped_paths(f"{root}/rebalance", tiers)
-    options = options_for(model.ABLATION[-1], fast, slow, tiers.cache, args.depth)
+    options = options_for(ABLATION[-1], fast, slow, tiers.cache, args.depth)
     runner = Runner("rebalance", params, args.subgroup_size, **options)
     plan = runner.tx.plan
     placements = []

@@ -21,7 +21,7 @@ import optax
 from common import print_and_save
 
 import jax_mlp
-from jax_mlp._src import quantized
+from jax_mlp import quantized
 
 PARAMS = {
     "fp32": (jnp.float32, None, "full"),

@@ -46,8 +46,8 @@ from common import parse_with_smoke
 
 import jax_mlp
 from jax_mlp._src.storage import record
+from jax_mlp._src.storage.bandwidth import drop_page_cache
 from jax_mlp._src.storage.chunk_files import CHUNK_REQUESTS
-from jax_mlp._src.storage.probe import drop_page_cache
 from jax_mlp._src.storage.record import HEADER_SIZE, chunk_bytes
 
 ALIGN = 4096

@@ -40,7 +40,7 @@ from common import parse_with_smoke, print_and_save
 
 import jax_mlp
 from jax_mlp._src.schedule.performance import measured_speed, predict_step
-from jax_mlp._src.storage.probe import probe, transfer_seconds
+from jax_mlp._src.storage.bandwidth import probe, transfer_seconds
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 SMOKE = {"state": "8MiB", "width": 256, "runs": 1, "steps": 3, "factors": [1.0], "devices": "emulated"}

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from common import print_and_save
 
-from jax_mlp._src import quantized
+from jax_mlp._src import state_codecs as quantized
 
 VOCAB, WIDTH, HIDDEN, BATCH = 512, 64, 128, 256
 EPS = 1e-8  # adam's

@@ -15,8 +15,8 @@ from jax_mlp._src.config import OffloadConfig, OffloadOptions, Path
 from jax_mlp._src.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
 from jax_mlp._src.parsing import format_bytes, parse_rate, parse_size
 from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.quantized import QuantizedState, quantized_state
 from jax_mlp._src.state import OffloadState
+from jax_mlp._src.state_codecs import QuantizedState, quantized_state
 from jax_mlp._src.stats import IOEvent, UpdateStats
 from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.transform import OffloadTransformation, mlp_offload, restore_params

@@ -5,7 +5,7 @@ between steps (docs/api.md#quantized_state). The codecs are public here for code
 state, e.g. a checkpoint restored into plain optax.
 """
 
-from jax_mlp._src.quantized import (
+from jax_mlp._src.state_codecs import (
     CODECS,
     INT8_FORMAT,
     MIN_LAST_AXIS,

@@ -13,7 +13,7 @@ import tempfile
 
 # Nine fake CPU devices: the sharding tests use the first eight as a 2x4 mesh, and the in-jit route
 # runs the update on the ninth while the mesh's devices wait in their callbacks. That route also needs
-# XLA's CPU thread pools to hold 2 x 8 + 1 threads (see jax_mlp.in_jit). A child process may ask for
+# XLA's CPU thread pools to hold 2 x 8 + 1 threads (see jax_mlp/_src/offload/in_jit.py). A child process may ask for
 # another count. Set before jax starts its backend; other tests use device 0 as before.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=9".strip()
@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax
 import optax
 import pytest
-from helpers import SMALL_SUBGROUP, SMALL_TREE
+from helpers import SMALL_SUBGROUP, SMALL_TREE, STORE_OPTIONS
 
 import jax_mlp
 from jax_mlp._src.plan import partition
@@ -60,7 +60,7 @@ def make_tiers(tmp_path):
 
     def make(host_cache: int, directories=("p0", "p1")):
         plan = partition.make_plan(SMALL_TREE, optax.adam(1e-3), SMALL_SUBGROUP)
-        stores = open_paths([jax_mlp.Path(tmp_path / name) for name in directories])
+        stores = open_paths([jax_mlp.Path(tmp_path / name) for name in directories], **STORE_OPTIONS)
         opened.append(stores)
         codec = record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash)
         return TierStack(HostCache(host_cache), stores, plan.layout_hash, codec), plan

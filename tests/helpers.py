@@ -3,6 +3,7 @@
 - The mixed test tree (``make_params``), its deterministic gradients (``grads_at``), the optimizers
   the exactness tests run (``OPTIMIZERS``), and the training loops: ``train`` (plain optax or
   ``mlp_offload``, one shared loop), ``run_optax`` and ``run_offload``.
+- The options a storage path is opened with by default (``STORE_OPTIONS``), from ``OffloadConfig``.
 - The exactness contract (docs/architecture.md, "Exactness contract"): offloaded training does the
   same math as the optax optimizer held in memory. Every leaf is within ``EXACT_BOUND * max|p|`` of the
   reference (``LOW_PRECISION_STATE_BOUND`` with bf16 or compressed optimizer state); bf16 params with
@@ -52,6 +53,11 @@ SHAPES = {
 SMALL_TREE = {name: jax.ShapeDtypeStruct((8, 8), jnp.float32) for name in "abcd"}
 """Four leaves whose adam states make four records of one leaf each at ``SMALL_SUBGROUP``."""
 SMALL_SUBGROUP = 512
+
+STORE_OPTIONS = {
+    name: getattr(jax_mlp.OffloadConfig("."), name) for name in ("max_inflight", "node_lock", "store_timeout")
+}
+"""``open_path``'s options as a default ``OffloadConfig`` sets them, for tests that open a path as ``mlp_offload`` does."""
 
 
 def fields_of(layout, value: float) -> tuple[list[np.ndarray], list[np.ndarray]]:

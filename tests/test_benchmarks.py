@@ -38,7 +38,7 @@ def test_ablation_benchmark_writes_json_and_png(tmp_path):
     )
     written = json.loads((tmp_path / "ablation.json").read_text())
     rows = written["ablation"]["rows"]
-    assert [row["variant"] for row in rows] == [v.name for v in ablation.model.ABLATION] + [
+    assert [row["variant"] for row in rows] == [v.name for v in ablation.ABLATION] + [
         "+bf16 state",
         "+int8 state",
     ]

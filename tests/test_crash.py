@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_same_bits, make_params, train
+from helpers import STORE_OPTIONS, assert_same_bits, make_params, train
 
 import jax_mlp
 from jax_mlp._src.storage.paths import open_path
@@ -155,7 +155,7 @@ def test_kill_9_during_an_update_resumes_from_the_tiers_bitwise(point, killed, u
         step = int(state.step)
         assert step == RESUMES_AT[point], f"killed at {where}, resumed at step {step}"
         if "path" in where:  # the half-written record is there, and its checksum rejects it
-            torn = open_path(jax_mlp.Path(where["path"]))
+            torn = open_path(jax_mlp.Path(where["path"]), **STORE_OPTIONS)
             assert (Path(torn.directory) / f"sg{where['subgroup']:06d}.{where['slot']}" / "zarr.json").exists()
             assert torn.verified_step(where["subgroup"], where["slot"], tx.plan.layout_hash) is None
         params = jax_mlp.restore_params(tx, like)

@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from faults import inject_write_faults
-from helpers import abstract, assert_close_to_optax, assert_same_bits, make_params, tmpfs, train
+from helpers import STORE_OPTIONS, abstract, assert_close_to_optax, assert_same_bits, make_params, tmpfs, train
 
 import jax_mlp
 from jax_mlp._src.storage import capacity
@@ -235,7 +235,7 @@ def test_damage_found_on_resume_falls_back_to_the_previous_step(paths, reference
     with tx:
         train(tx, params, state, range(3))
         layout_hash = tx.plan.layout_hash
-    store = open_path(jax_mlp.Path(paths[0]))
+    store = open_path(jax_mlp.Path(paths[0]), **STORE_OPTIONS)
     record = store.read(2, 3 % 2)
     shutil.rmtree(record_dir(paths[0], 2, 3 % 2))
     store.write(2, 3 % 2, record[: HEADER_SIZE + (record.nbytes - HEADER_SIZE) // 2])

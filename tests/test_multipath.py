@@ -346,8 +346,8 @@ def test_contention_on_the_slow_path_is_followed_and_undone_within_3_updates(pai
 
 
 def test_traffic_meters_busy_time_per_direction_and_their_union():
-    traffic = Traffic(max_inflight=4, max_read=20e6, max_write=20e6)
-    with traffic.transfer("read", 2_000_000), traffic.transfer("write", 1_000_000):  # the write inside the read
+    traffic = Traffic(max_inflight=4, lock_file=None, max_read=20e6, max_write=20e6)
+    with traffic.metered("read", 2_000_000), traffic.metered("write", 1_000_000):  # the write inside the read
         pass
     usage = traffic.take_usage()
     assert (usage.bytes_read, usage.bytes_written) == (2_000_000, 1_000_000)

@@ -23,7 +23,16 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
-from helpers import abstract, assert_close_to_optax, assert_same_bits, make_params, run_offload, run_optax, train
+from helpers import (
+    STORE_OPTIONS,
+    abstract,
+    assert_close_to_optax,
+    assert_same_bits,
+    make_params,
+    run_offload,
+    run_optax,
+    train,
+)
 from object_stores import S3_KEYS, FakeGcs, MotoS3
 
 import jax_mlp
@@ -373,7 +382,7 @@ def test_peak_rss_of_an_update_on_a_store_is_bounded_by_records_in_flight(gcs):
 def test_s3_keys_in_the_environment_are_used_without_the_sdk_logging_missing_aws_files(s3, capfd):
     """tensorstore's default AWS chain logs four errors per open where ~/.aws is missing; keys in the
     environment are read by its ``environment`` provider, which logs nothing."""
-    open_path(jax_mlp.Path(s3.spec("bkt", "quiet"))).remove()
+    open_path(jax_mlp.Path(s3.spec("bkt", "quiet")), **STORE_OPTIONS).remove()
     assert ".aws" not in capfd.readouterr().err
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import abstract, as_bits, make_params, train
+from helpers import STORE_OPTIONS, abstract, as_bits, make_params, train
 
 import jax_mlp
 from jax_mlp._src.storage import ownership
@@ -80,14 +80,14 @@ def test_a_failed_init_lets_go_of_the_paths(paths):
 
 
 def test_processes_sharing_a_path_hold_their_own_run_directories(tmp_path):
-    stores = [open_path(jax_mlp.Path(tmp_path), index) for index in (0, 1)]
+    stores = [open_path(jax_mlp.Path(tmp_path), index, **STORE_OPTIONS) for index in (0, 1)]
     for store in stores:
         store.hold()
     with pytest.raises(jax_mlp.PathInUseError, match=rf"run directory {tmp_path}/proc0001 is held"):
-        open_path(jax_mlp.Path(tmp_path), 1).hold()
+        open_path(jax_mlp.Path(tmp_path), 1, **STORE_OPTIONS).hold()
     for store in stores:
         store.release()
-    again = open_path(jax_mlp.Path(tmp_path), 1)
+    again = open_path(jax_mlp.Path(tmp_path), 1, **STORE_OPTIONS)
     again.hold()
     again.release()
 
@@ -136,7 +136,8 @@ def test_a_writer_in_another_process_is_refused_and_after_kill_9_resume_works(tm
                 offload(paths, node_lock=tmp_path / "node_lock", resume=resume) as refused,
             ):
                 refused.init(make_params(dtype=jnp.bfloat16))
-        neighbour = open_path(jax_mlp.Path(paths[0]), 1)  # another process's run directory on the same path
+        # another process's run directory on the same path
+        neighbour = open_path(jax_mlp.Path(paths[0]), 1, **STORE_OPTIONS)
         neighbour.hold()
         neighbour.release()
     finally:

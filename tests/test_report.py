@@ -1,5 +1,5 @@
-"""``cli/plots.py``, ``cli/report.py`` and the ``StatsLog`` of ``stats.py``: ``log_to`` writes one JSON line per call;
-``jax-mlp report`` turns a real log into a PNG.
+"""``cli/plots.py``, ``cli/report_command.py`` and the ``StatsLog`` of ``stats.py``: ``log_to`` writes one JSON line
+per call; ``jax-mlp report`` turns a real log into a PNG.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 from helpers import assert_same_bits, grads_at, make_params, run_offload, tmpfs, train
 
 import jax_mlp
+from jax_mlp._src.cli.ablation import ABLATION
 from jax_mlp._src.plan import partition
 from jax_mlp._src.schedule import performance as model
 from jax_mlp._src.schedule.estimates import MIN_SAMPLES, WINDOW
@@ -23,7 +24,7 @@ from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.schedule.scheduler import Scheduler, weighted_interleave
 from jax_mlp._src.stats import format_bytes
 from jax_mlp._src.storage import capacity
-from jax_mlp._src.storage.probe import probe
+from jax_mlp._src.storage.bandwidth import probe
 from jax_mlp._src.storage.record import HEADER_SIZE
 from jax_mlp._src.storage.traffic import Traffic, Usage
 
@@ -125,10 +126,10 @@ def test_bits_do_not_depend_on_the_mechanisms_or_on_rebalancing_moves(paths):
 
 
 def test_caps_bound_throughput_from_above():
-    traffic = Traffic(max_inflight=4, max_read=20e6, max_write=10e6)
+    traffic = Traffic(max_inflight=4, lock_file=None, max_read=20e6, max_write=10e6)
     start = time.monotonic()
     for kind, nbytes in (("read", 2_000_000), ("write", 1_000_000), ("read", 2_000_000)):
-        with traffic.transfer(kind, nbytes):
+        with traffic.metered(kind, nbytes):
             pass
     elapsed = time.monotonic() - start
     assert elapsed >= 0.3 * 0.98, "4 MB at 20 MB/s plus 1 MB at 10 MB/s take 0.3 s at least"
@@ -138,13 +139,13 @@ def test_caps_bound_throughput_from_above():
 
 
 def test_in_process_transfers_in_flight_are_limited(tmp_path):
-    traffic = Traffic(max_inflight=2, max_read=50e6, max_write=50e6)
+    traffic = Traffic(max_inflight=2, lock_file=None, max_read=50e6, max_write=50e6)
     import concurrent.futures
 
     held = []  # (start, end) of each transfer's time inside the path's traffic control
 
     def transfer(_):
-        with traffic.transfer("read", 500_000):
+        with traffic.metered("read", 500_000):
             start = time.monotonic()
             time.sleep(0.005)
             held.append((start, time.monotonic()))
@@ -174,22 +175,22 @@ LOCK_CHILD = textwrap.dedent(
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     import optax, jax.numpy as jnp, jax_mlp
     import jax_mlp._src.storage.paths as storage_paths
-    # Each record's transfer, timed inside the path's traffic control (so inside the node lock) on the
+    # Each record's read or write, timed inside the path's traffic control (so inside the node lock) on the
     # clock all processes share: the stats' events also time the wait for the lock, so they overlap.
     held, open_path = [], storage_paths.open_path
 
     def open_timed(*args, **kwargs):
         path = open_path(*args, **kwargs)
-        transfer = path.traffic.transfer
+        metered = path.traffic.metered
 
         @contextlib.contextmanager
         def timed(kind, nbytes):
-            with transfer(kind, nbytes):
+            with metered(kind, nbytes):
                 start = time.monotonic()
                 yield
                 held.append((start, time.monotonic()))
 
-        path.traffic.transfer = timed
+        path.traffic.metered = timed
         return path
 
     storage_paths.open_path = open_timed
@@ -247,7 +248,7 @@ def test_plan_and_probe_commands(tmp_path, capsys):
     out = capsys.readouterr().out
     split = model.best_split([PathSpeed("nvme", 5e9, 5e9), PathSpeed("pfs", 2e9, 2e9)])
     assert f"nvme           {split[0]:.1%}" in out and f"pfs            {split[1]:.1%}" in out
-    assert all(variant.name in out for variant in model.ABLATION)
+    assert all(variant.name in out for variant in ABLATION)
 
     for codec, per_param in (("bf16", "8 B"), ("int8", "6.03 B")):  # 8 B of adam state, 4 B of fp32 master
         assert cli.main(["plan", "--params", "7e9", "--paths", "nvme=5GB/s", "--master", "--state-codec", codec]) == 0

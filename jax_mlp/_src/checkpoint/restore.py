@@ -15,7 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jax_mlp._src import quantized
+from jax_mlp._src import state_codecs
 from jax_mlp._src.checkpoint.items import METADATA_KEY, StreamedLeaf, pytree_handler
 from jax_mlp._src.checkpoint.layout import STATE, Region, host_block, layout_of, region_of, standard_layout
 from jax_mlp._src.errors import OffloadError
@@ -96,7 +96,7 @@ class _Restore:
         self.layout = layout_of(inner, plan)
         self.arrays = [arrays.get(name) for name in self.layout.names]
         self.params = jax.tree.leaves(params)
-        self.codes = quantized.int8_codes(jax.tree_util.tree_unflatten(self.layout.treedef, self.layout.leaves))
+        self.codes = state_codecs.int8_codes(jax.tree_util.tree_unflatten(self.layout.treedef, self.layout.leaves))
 
     def _master_from_params(self, region: Region, leaf: int) -> np.ndarray:
         return host_block(self.params[leaf], region.box).astype(self.plan.master_dtype)
@@ -104,7 +104,7 @@ class _Restore:
     def _check_codes(self, value: np.ndarray, region: Region) -> None:
         """Refuses int8 codes of an older format; only whole rows hold their blocks' words."""
         if value.ndim and value.shape[-1] == self.arrays[region.leaf].shape[-1]:
-            quantized.check_int8_format(value, f"checkpoint array {self.layout.names[region.leaf]}")
+            state_codecs.check_int8_format(value, f"checkpoint array {self.layout.names[region.leaf]}")
 
     def load(self, index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Subgroup ``index``'s state and master leaves, read from the checkpoint (or the params)."""

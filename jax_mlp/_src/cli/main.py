@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jax_mlp._src.cli import plan, probe, report
+from jax_mlp._src.cli import plan_command, probe_command, report_command
 from jax_mlp._src.cli.command import PROG, Command, UsageError
 
-COMMANDS: tuple[Command, ...] = (probe.COMMAND, plan.COMMAND, report.COMMAND)
+COMMANDS: tuple[Command, ...] = (probe_command.COMMAND, plan_command.COMMAND, report_command.COMMAND)
 """The sub-commands, in the order ``jax-mlp --help`` lists them."""
 
 

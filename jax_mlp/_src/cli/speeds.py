@@ -14,7 +14,7 @@ from jax_mlp._src.parsing import parse_size
 from jax_mlp._src.schedule.performance import PathSpeed, best_split, measured_speed
 from jax_mlp._src.schedule.scheduler import weighted_interleave
 from jax_mlp._src.storage import capacity
-from jax_mlp._src.storage.probe import ProbeResult, probe
+from jax_mlp._src.storage.bandwidth import ProbeResult, probe
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 PROBE_SIZE, PROBE_RECORD, PROBE_INFLIGHT = "256MiB", "16MiB", 4
@@ -37,7 +37,7 @@ def parse_entry(entry: str) -> str | dict:
 
 
 def probe_location(location: str, total: int, record: int, inflight: int) -> ProbeResult:
-    """``jax_mlp._src.storage.probe.probe`` of a directory or a store, a failure as a :class:`UsageError`."""
+    """``jax_mlp._src.storage.bandwidth.probe`` of a directory or a store, a failure as a :class:`UsageError`."""
     try:
         return probe(Path(parse_entry(location)), total_bytes=total, record_bytes=record, inflight=inflight)
     except OffloadError as error:

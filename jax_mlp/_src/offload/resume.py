@@ -17,7 +17,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jax_mlp._src import peers, quantized
+from jax_mlp._src import peers, state_codecs
 from jax_mlp._src.errors import OffloadError, RecordError
 from jax_mlp._src.plan.partition import Plan, treedef_paths
 from jax_mlp._src.storage.paths import PathStore
@@ -66,7 +66,7 @@ def run_identity(plan: Plan, subgroup_size: int) -> dict:
     """What ``run.json`` records of a run: enough to refuse another run's directory and say what differs."""
     return {
         "format": RUN_FORMAT,
-        "int8_format": quantized.INT8_FORMAT,
+        "int8_format": state_codecs.INT8_FORMAT,
         "layout_hash": plan.layout_hash.hex(),
         "num_subgroups": len(plan.subgroups),
         "state_bytes": plan.state_nbytes,
@@ -180,13 +180,13 @@ def _check_int8_format(root: str, identity: dict, plan: Plan) -> None:
     """
     held = identity.get("int8_format", 1)
     coded = any(
-        any(quantized.int8_codes(jax.tree_util.tree_unflatten(sg.layout.state_treedef, _structs(sg.layout))))
+        any(state_codecs.int8_codes(jax.tree_util.tree_unflatten(sg.layout.state_treedef, _structs(sg.layout))))
         for sg in plan.subgroups
     )
-    if coded and held != quantized.INT8_FORMAT:
+    if coded and held != state_codecs.INT8_FORMAT:
         raise OffloadError(
             f"path {root} holds a run whose int8 state codes are of format {held}, and this version reads format "
-            f"{quantized.INT8_FORMAT} only (block floating point): resume that run with the jax_mlp version that "
+            f"{state_codecs.INT8_FORMAT} only (block floating point): resume that run with the jax_mlp version that "
             "wrote it, or start a new run (without resume) on an empty directory, restoring the params alone"
         )
 

@@ -211,7 +211,7 @@ class KvStoreBackend:
       PathError: the spec cannot be opened, or the store cannot be written.
     """
 
-    def __init__(self, spec: dict, process_index: int = 0, store_timeout: float = 30.0):
+    def __init__(self, spec: dict, process_index: int, store_timeout: float):
         self._base = with_credentials(dict(spec))
         prefix = self._base.get("path", "")
         if prefix and not prefix.endswith("/"):

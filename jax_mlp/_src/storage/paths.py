@@ -35,12 +35,12 @@ class PathStore:
 
     Args:
       backend: the process's run directory on the path.
-      traffic: the path's in-flight limit, node lock, caps and meter; a plain one if None.
+      traffic: the path's in-flight limit, node lock, caps and meter.
     """
 
-    def __init__(self, backend: Backend, traffic: Traffic | None = None):
+    def __init__(self, backend: Backend, traffic: Traffic):
         self.backend = backend
-        self.traffic = traffic or Traffic()
+        self.traffic = traffic
         self._arrays: dict[tuple[int, int], RecordArray] = {}
         self._lock = threading.Lock()
 
@@ -75,7 +75,7 @@ class PathStore:
             if self.backend.vanished():  # the backend would silently recreate the directories
                 raise FileNotFoundError(errno.ENOENT, "the directory vanished", self.directory)
             array = self._array(subgroup, slot, record.nbytes, create=True)
-            with self.traffic.transfer("write", record.nbytes):
+            with self.traffic.metered("write", record.nbytes):
                 array.write(record).result()
         except Exception as error:  # tensorstore raises ValueError and OSError-like errors
             raise PathError(f"writing record {self._name(subgroup, slot)}: {self.backend.describe(error)}") from error
@@ -84,7 +84,7 @@ class PathStore:
         """Reads a whole record back into a new buffer; raises RecordError if it is missing."""
         try:
             array = self._array(subgroup, slot, None, create=False)
-            with self.traffic.transfer("read", array.shape[0]):
+            with self.traffic.metered("read", array.shape[0]):
                 return array.read().result()
         except Exception as error:
             name = self._name(subgroup, slot)
@@ -164,9 +164,9 @@ def open_path(
     path: Path,
     process_index: int = 0,
     *,
-    max_inflight: int = 4,
-    node_lock: str | None = None,
-    store_timeout: float = 30.0,
+    max_inflight: int,
+    node_lock: str | None,
+    store_timeout: float,
 ) -> PathStore:
     """The store for one configured path, a local directory or a tensorstore kvstore spec.
 
@@ -193,9 +193,9 @@ def open_paths(
     paths: Sequence[Path],
     process_index: int = 0,
     *,
-    max_inflight: int = 4,
-    node_lock: str | None = None,
-    store_timeout: float = 30.0,
+    max_inflight: int,
+    node_lock: str | None,
+    store_timeout: float,
 ) -> list[PathStore]:
     """Opens every configured path and holds its run directory for this writer.
 

@@ -125,7 +125,7 @@ class Traffic:
       max_write: write cap in bytes/s, or None.
     """
 
-    def __init__(self, max_inflight: int = 4, lock_file: str | None = None, max_read=None, max_write=None):
+    def __init__(self, max_inflight: int, lock_file: str | None, max_read: float | None, max_write: float | None):
         self._inflight = threading.BoundedSemaphore(max_inflight)
         self._node_lock = NodeLock(lock_file) if lock_file else contextlib.nullcontext()
         self.bucket = TokenBucket(max_read, max_write)
@@ -138,8 +138,8 @@ class Traffic:
         self.bucket.set_caps(max_read, max_write)
 
     @contextlib.contextmanager
-    def transfer(self, kind: str, nbytes: int) -> Iterator[None]:
-        """Holds the path for one whole-record transfer of ``nbytes`` (``kind`` is read or write)."""
+    def metered(self, kind: str, nbytes: int) -> Iterator[None]:
+        """Holds the path for one whole-record read or write of ``nbytes`` (``kind``): in flight, locked, paced, metered."""
         with self._inflight, self._node_lock:
             started = time.monotonic()
             with self._lock:

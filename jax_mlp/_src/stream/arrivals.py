@@ -22,7 +22,7 @@ import numpy as np
 from jax_mlp._src.plan.partition import Plan, Subgroup
 from jax_mlp._src.plan.programs import Programs, SubgroupUpdate
 from jax_mlp._src.plan.sharding import BlockKey
-from jax_mlp._src.quantized import GOLDEN, mix32
+from jax_mlp._src.state_codecs import GOLDEN, mix32
 from jax_mlp._src.stream.blocks import Blocks, UpdateBlocks
 
 

@@ -8,14 +8,14 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mlp._src import quantized
+from jax_mlp._src import state_codecs
 from jax_mlp._src.cli import plan_tables
+from jax_mlp._src.cli.ablation import ABLATION, predict_variant, predict_variant_step
 from jax_mlp._src.cli.command import DEFAULTS, Command, UsageError, argument, parse_count, rate
 from jax_mlp._src.cli.sizing import Compute, Workload, flops_seconds, link_seconds, params_link_seconds
 from jax_mlp._src.cli.speeds import PROBE_SIZE, path_speeds
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.plan import remainders
-from jax_mlp._src.schedule.performance import ABLATION, predict_variant, predict_variant_step
 
 MASTER_BYTES = 4
 """Bytes per param of the fp32 master copy (``--master``), and of its update."""
@@ -52,7 +52,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         params=parse_count(args.params, "--params"),
         param_bytes=param_bytes,
         update_bytes=MASTER_BYTES if args.master else param_bytes,
-        state_bytes_per_param=args.state_bytes_per_param * quantized.stored_fraction(args.state_codec)
+        state_bytes_per_param=args.state_bytes_per_param * state_codecs.stored_fraction(args.state_codec)
         + _stored_master_bytes(args),
         nodes=args.nodes,
         processes_per_node=args.processes_per_node,
@@ -145,7 +145,7 @@ COMMAND = Command(
     handle=handle,
     summary="size a run: device memory, host RAM, disk per path, and the update's and the step's time",
     description=(
-        "Applies the performance model that the scheduler uses (jax_mlp/model.py) to a run and prints:\n"
+        "Applies the performance model that the scheduler uses (jax_mlp/_src/schedule/performance.py) to a run and prints:\n"
         "  per device: the params, the grads and the peak an update adds, for the optax route (update,\n"
         "    then optax.apply_updates) and for the fused apply (activations are not counted);\n"
         "  per node: host RAM for the cache, the records in flight, the staging buffers and the\n"
@@ -220,7 +220,7 @@ COMMAND = Command(
         ),
         argument(
             "--state-codec",
-            choices=("none", *quantized.CODECS),
+            choices=("none", *state_codecs.CODECS),
             default="none",
             help="the state as jax_mlp.quantized_state keeps it: bf16 halves it, int8 quarters it (plus a "
             "4-byte block word per 256 values) (default: %(default)s)",

@@ -1,4 +1,4 @@
-"""The bandwidth probe: write and read records through the same tier code that training uses.
+"""A path's bandwidth, measured by the probe: records written and read through the same tier code training uses.
 
 Records go to a scratch directory on the path (``.jax_mlp_probe``) through a :class:`PathStore`
 with the path's own caps and in-flight limit, several at once. Between writing and reading, a
@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jax_mlp._src.config import Path
-from jax_mlp._src.storage.paths import open_path
+from jax_mlp._src.config import OffloadConfig, Path
+from jax_mlp._src.storage.paths import PathStore, open_path
 from jax_mlp._src.storage.record import new_record, seal
 
 PROBE_DIRECTORY = ".jax_mlp_probe"
@@ -43,14 +43,21 @@ class ProbeResult(NamedTuple):
     serial: float = 1.0
 
 
-def _scratch(path: Path) -> Path:
+def _open_scratch(path: Path, inflight: int) -> PathStore:
+    """The path's scratch directory, opened with its caps, ``inflight`` in flight, no node lock and the default
+    ``store_timeout``."""
     location = path.location
     if isinstance(location, dict):
         prefix = location.get("path", "").rstrip("/")
         scratch = {**location, "path": f"{prefix}/{PROBE_DIRECTORY}/" if prefix else f"{PROBE_DIRECTORY}/"}
     else:
         scratch = os.path.join(location, PROBE_DIRECTORY)
-    return Path(scratch, max_read=path.max_read, max_write=path.max_write)
+    return open_path(
+        Path(scratch, max_read=path.max_read, max_write=path.max_write),
+        max_inflight=inflight,
+        node_lock=None,
+        store_timeout=OffloadConfig.defaults()["store_timeout"],
+    )
 
 
 def drop_page_cache(directory: str) -> None:
@@ -97,7 +104,7 @@ def probe(
     Returns:
       The measured bandwidths in bytes/s.
     """
-    store = open_path(_scratch(path), max_inflight=inflight)
+    store = _open_scratch(path, inflight)
     count = max(1, total_bytes // record_bytes)
     record = _records(record_bytes)
     try:
@@ -120,7 +127,7 @@ def transfer_seconds(
     The records to read are written first and dropped from the page cache; only the two directions
     together are timed, each with ``inflight`` records in flight (what an update moves: its reads and writes).
     """
-    store = open_path(_scratch(path), max_inflight=2 * inflight)
+    store = _open_scratch(path, 2 * inflight)
     record = _records(record_bytes)
     reads = max(1, read_bytes // record_bytes)
     try:

@@ -1,4 +1,4 @@
-"""``quantized.py``: quantized_state, compressed moments in memory and offloaded, fewer bytes per update, training
+"""``state_codecs.py``: quantized_state, compressed moments in memory and offloaded, fewer bytes per update, training
 quality.
 """
 
@@ -25,9 +25,9 @@ from helpers import (
 )
 
 import jax_mlp
-from jax_mlp._src import quantized
+from jax_mlp._src import state_codecs
 from jax_mlp._src.plan import partition
-from jax_mlp._src.quantized import quantized_state
+from jax_mlp._src.state_codecs import quantized_state
 
 STEPS = 10
 SUBGROUP = "16KiB"
@@ -40,13 +40,13 @@ CODECS = {
 def _block_max(x: np.ndarray) -> np.ndarray:
     """Each element's block maximum of |x| (blocks of BLOCK_SIZE along the last axis)."""
     n = x.shape[-1]
-    padded = np.pad(np.abs(x), [(0, 0)] * (x.ndim - 1) + [(0, -n % quantized.BLOCK_SIZE)])
-    blocks = padded.reshape(*x.shape[:-1], -1, quantized.BLOCK_SIZE)
-    return np.repeat(blocks.max(axis=-1), quantized.BLOCK_SIZE, axis=-1)[..., :n]
+    padded = np.pad(np.abs(x), [(0, 0)] * (x.ndim - 1) + [(0, -n % state_codecs.BLOCK_SIZE)])
+    blocks = padded.reshape(*x.shape[:-1], -1, state_codecs.BLOCK_SIZE)
+    return np.repeat(blocks.max(axis=-1), state_codecs.BLOCK_SIZE, axis=-1)[..., :n]
 
 
 def _round_trip(x: np.ndarray) -> np.ndarray:
-    return np.asarray(quantized.dequantize_int8(quantized.quantize_int8(jnp.asarray(x, jnp.float32))))
+    return np.asarray(state_codecs.dequantize_int8(state_codecs.quantize_int8(jnp.asarray(x, jnp.float32))))
 
 
 def _old_format(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -57,9 +57,9 @@ def _old_format(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def test_int8_signed_values_are_within_half_a_step_and_flush_to_zero_only_below_the_range():
     """Signed blocks: 3 fraction bits (at most 1/16 relative error) over 15.75 binades below the block max."""
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (7, 600)) * jnp.logspace(-10, 2, 600))
-    packed = quantized.quantize_int8(jnp.asarray(x))
+    packed = state_codecs.quantize_int8(jnp.asarray(x))
     assert packed.dtype == jnp.uint8 and packed.shape == (7, 600 + 3 * 4)  # per row: codes, then 3 block words
-    assert quantized.packed_width(600) == 612
+    assert state_codecs.packed_width(600) == 612
     decoded, block_max = _round_trip(x), _block_max(x)
     in_range, below = np.abs(x) >= block_max * 2**-15.5, np.abs(x) < block_max * 2**-16.25
     assert in_range.sum() > 2000 and below.sum() > 50
@@ -93,12 +93,12 @@ def test_int8_codes_are_the_same_eager_and_jitted_and_depend_only_on_the_bits():
     ties = np.concatenate([boundary, np.nextafter(boundary, 0), np.nextafter(boundary, np.inf)])
     for x in (magnitudes, magnitudes * rng.choice([-1, 1], magnitudes.shape), ties, -ties, ties**2):
         x = jnp.asarray(x, jnp.float32)
-        eager = np.asarray(quantized.quantize_int8(x))
-        assert_same_bits(np.asarray(jax.jit(quantized.quantize_int8)(x)), eager)
-        fused = jax.jit(lambda x: quantized.quantize_int8(x * 2) + quantized.quantize_int8(x)[::-1][::-1])(x)
-        assert_same_bits(np.asarray(fused), np.asarray(quantized.quantize_int8(x * 2)) + eager)
-        decoded = np.asarray(quantized.dequantize_int8(jnp.asarray(eager)))
-        assert_same_bits(np.asarray(jax.jit(quantized.dequantize_int8)(jnp.asarray(eager))), decoded)
+        eager = np.asarray(state_codecs.quantize_int8(x))
+        assert_same_bits(np.asarray(jax.jit(state_codecs.quantize_int8)(x)), eager)
+        fused = jax.jit(lambda x: state_codecs.quantize_int8(x * 2) + state_codecs.quantize_int8(x)[::-1][::-1])(x)
+        assert_same_bits(np.asarray(fused), np.asarray(state_codecs.quantize_int8(x * 2)) + eager)
+        decoded = np.asarray(state_codecs.dequantize_int8(jnp.asarray(eager)))
+        assert_same_bits(np.asarray(jax.jit(state_codecs.dequantize_int8)(jnp.asarray(eager))), decoded)
 
 
 def test_int8_edge_values():
@@ -135,22 +135,22 @@ def test_int8_state_of_the_old_format_decodes_as_nan_and_is_refused_with_a_clear
     scales[0] = [np.inf, -np.inf, -np.nan]  # the scales the old codec wrote for blocks with inf or NaN
     scales[1] = [0.0, 1.0, -1.0]
     old = _old_format(codes, scales)
-    assert np.all(np.isnan(np.asarray(quantized.dequantize_int8(jnp.asarray(old))))), "never finite garbage"
+    assert np.all(np.isnan(np.asarray(state_codecs.dequantize_int8(jnp.asarray(old))))), "never finite garbage"
     with pytest.raises(jax_mlp.OffloadError, match="the nu leaf holds int8 state codes of an older format"):
-        quantized.check_int8_format(old, "the nu leaf")
-    quantized.check_int8_format(np.asarray(quantized.quantize_int8(jnp.asarray(codes, jnp.float32))), "new codes")
+        state_codecs.check_int8_format(old, "the nu leaf")
+    state_codecs.check_int8_format(np.asarray(state_codecs.quantize_int8(jnp.asarray(codes, jnp.float32))), "new codes")
 
 
 def test_bf16_rounds_to_nearest_even_or_stochastically_without_bias():
     x = jnp.full((4, 4096), 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bf16 ulp above 1
-    nearest = quantized.compress({"m": x}, "bf16", jnp.int32(3))
+    nearest = state_codecs.compress({"m": x}, "bf16", jnp.int32(3))
     assert nearest["m"].dtype == jnp.uint16  # the bf16 bits
-    np.testing.assert_array_equal(np.asarray(quantized.decompress(nearest)["m"]), np.asarray(x.astype(jnp.bfloat16)))
-    stochastic = quantized.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)
-    ups = np.mean(np.asarray(quantized.decompress(stochastic)["m"]) > 1.0)
+    np.testing.assert_array_equal(np.asarray(state_codecs.decompress(nearest)["m"]), np.asarray(x.astype(jnp.bfloat16)))
+    stochastic = state_codecs.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)
+    ups = np.mean(np.asarray(state_codecs.decompress(stochastic)["m"]) > 1.0)
     assert 0.2 < ups < 0.3  # rounded up with probability 1/4
-    again = quantized.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)
-    next_step = quantized.compress({"m": x}, "bf16", jnp.int32(4), stochastic=True)
+    again = state_codecs.compress({"m": x}, "bf16", jnp.int32(3), stochastic=True)
+    next_step = state_codecs.compress({"m": x}, "bf16", jnp.int32(4), stochastic=True)
     assert_same_bits(again, stochastic)
     assert not np.array_equal(np.asarray(next_step["m"]), np.asarray(again["m"])), "each step draws other bits"
 
@@ -158,8 +158,8 @@ def test_bf16_rounds_to_nearest_even_or_stochastically_without_bias():
 @pytest.mark.parametrize("codec,stochastic", [("int8", False), ("bf16", True)])
 def test_a_row_chunk_compresses_as_those_rows_of_the_whole_leaf(codec, stochastic):
     x = jax.random.normal(jax.random.PRNGKey(1), (64, 300)) ** 2 * jnp.where(jnp.arange(300) < 200, 1, -1)
-    whole = quantized.compress({"m": x}, codec, jnp.int32(5), stochastic=stochastic)
-    chunk = quantized.compress({"m": x[17:40]}, codec, jnp.int32(5), stochastic=stochastic)
+    whole = state_codecs.compress({"m": x}, codec, jnp.int32(5), stochastic=stochastic)
+    chunk = state_codecs.compress({"m": x[17:40]}, codec, jnp.int32(5), stochastic=stochastic)
     assert_same_bits(chunk, jax.tree.map(lambda a: a[17:40], whole))
 
 
@@ -234,7 +234,7 @@ def _bytes_read_per_param(inner, params, tmp_path, **options) -> tuple[float, fl
     return read, planned
 
 
-SCALES = 2 * 4 / quantized.BLOCK_SIZE  # two moments, a float32 scale per block
+SCALES = 2 * 4 / state_codecs.BLOCK_SIZE  # two moments, a float32 scale per block
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,7 @@ SCALES = 2 * 4 / quantized.BLOCK_SIZE  # two moments, a float32 scale per block
 )
 def test_bytes_moved_per_param_follow_the_codec(dtype, master, storage, expected, tmp_path):
     params = make_params({"a": (512, 256), "b": (256, 512)}, dtype=dtype)
-    inners = {"none": optax.adam(1e-3), **{c: quantized_state(optax.adam(1e-3), c) for c in quantized.CODECS}}
+    inners = {"none": optax.adam(1e-3), **{c: quantized_state(optax.adam(1e-3), c) for c in state_codecs.CODECS}}
     for (codec, inner), bound in zip(inners.items(), expected, strict=True):
         read, planned = _bytes_read_per_param(
             inner, params, tmp_path / codec, master_dtype=master, master_storage=storage
@@ -298,7 +298,7 @@ def test_a_checkpoint_of_int8_state_restores_into_another_plan_and_into_memory(t
 def _as_old_format(leaf: jax.Array) -> np.ndarray:
     """An int8-coded leaf as format 1 would have held it: the same codes, float32 scales for block words."""
     packed = np.asarray(leaf)
-    n = packed.shape[-1] - 4 * -(-packed.shape[-1] // (quantized.BLOCK_SIZE + 4))
+    n = packed.shape[-1] - 4 * -(-packed.shape[-1] // (state_codecs.BLOCK_SIZE + 4))
     scales = np.ones((*packed.shape[:-1], packed.shape[-1] - n), np.uint8).view(np.float32)
     return np.concatenate([packed[..., :n], scales.view(np.uint8)], axis=-1)
 
@@ -313,7 +313,7 @@ def test_tiers_and_checkpoints_of_the_old_int8_format_are_refused_with_a_clear_e
     run_offload(inner, params, 2, [tmp_path / "run"], subgroup_size=SUBGROUP)
     (run_file,) = (tmp_path / "run").glob("*/run.json")
     identity = json.loads(run_file.read_text())
-    assert identity["int8_format"] == quantized.INT8_FORMAT
+    assert identity["int8_format"] == state_codecs.INT8_FORMAT
     run_file.write_text(json.dumps({k: v for k, v in identity.items() if k != "int8_format"}))  # as format 1 wrote it
     with (
         pytest.raises(jax_mlp.OffloadError, match=r"int8 state codes are of format 1.*start a new run"),

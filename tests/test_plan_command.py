@@ -1,5 +1,5 @@
-"""``cli/plan.py`` with ``cli/sizing.py``, ``cli/plan_tables.py`` and ``cli/speeds.py``: ``jax-mlp plan`` sizes a whole
-run, never crashes, and starts from the library's own defaults.
+"""``cli/plan_command.py`` with ``cli/sizing.py``, ``cli/plan_tables.py`` and ``cli/speeds.py``: ``jax-mlp plan``
+sizes a whole run, never crashes, and starts from the library's own defaults.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 
 from jax_mlp._src.cli import command, plan_tables, sizing, speeds
 from jax_mlp._src.cli import main as cli
+from jax_mlp._src.cli.ablation import ABLATION
 from jax_mlp._src.cli.sizing import Workload
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.parsing import format_bytes, parse_size
-from jax_mlp._src.schedule import performance as model
 from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.storage import capacity
+from jax_mlp._src.storage.bandwidth import PROBE_DIRECTORY
 from jax_mlp._src.storage.buffers import POOL_BYTES
-from jax_mlp._src.storage.probe import PROBE_DIRECTORY
 from jax_mlp._src.storage.record import HEADER_SIZE
 
 MiB = 1024**2
@@ -52,7 +52,7 @@ def test_a_cache_holding_the_whole_state_predicts_its_write_back_and_a_finite_ti
         in out
     )
     rows = out[out.index("mechanisms") :].splitlines()[1:]
-    assert len(rows) == len(model.ABLATION) and all(row.endswith("x") for row in rows), rows
+    assert len(rows) == len(ABLATION) and all(row.endswith("x") for row in rows), rows
 
 
 def test_write_back_that_outlasts_the_forward_and_backward_delays_the_update(capsys):
