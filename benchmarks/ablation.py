@@ -2,7 +2,7 @@
 
 One fast and one slow path are emulated on this machine's disk with bandwidth caps well below
 the raw disk (measured in the same run), with a host cache of about a quarter of the state. The
-variants of the performance model's ``ABLATION``, then the full scheduler with the state kept in bf16 and in
+variants of the performance model (``jax-mlp plan``'s mechanisms), then the full scheduler with the state kept in bf16 and in
 int8 (``jax_mlp.quantized_state``), run in one process, interleaved iteration by iteration, so
 machine noise hits them alike. Between two updates of a variant the script sleeps ``--idle``
 seconds, standing in for forward and backward. A second experiment cuts the slow path's cap to a
