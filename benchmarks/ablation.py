@@ -2,7 +2,7 @@
 
 One fast and one slow path are emulated on this machine's disk with bandwidth caps well below
 the raw disk (measured in the same run), with a host cache of about a quarter of the state. The
-variants of the performance model's ``ABLATION``, then the full scheduler with the state kept in bf16 and in
+variants of the performance model (``jax-mlp plan``'s mechanisms), then the full scheduler with the state kept in bf16 and in
 int8 (``jax_mlp.quantized_state``), run in one process, interleaved iteration by iteration, so
 machine noise hits them alike. Between two updates of a variant the script sleeps ``--idle``
 seconds, standing in for forward and backward. A second experiment cuts the slow path's cap to a
@@ -31,6 +31,12 @@ cgroup, so it shares the throttle) for the middle third of its updates. Needs ro
 
     sudo python benchmarks/ablation.py --devices real --fast 300MB/s --slow 90MB/s --equal 200MB/s \
         --state 256MiB --subgroup-size 8MiB --idle 1 --iterations 14 --runs 5 --contention --out results/
+
+Only the public face is used: the variants and every prediction are those of ``jax-mlp plan --json``
+(its ``mechanisms``, given the run's state, caps, cache, idle time and each codec's measured compute
+floor as ``--update-compute-s``), the raw disk is ``jax-mlp probe --json``, and the bytes each path
+moves come from ``tx.stats`` with the record sizes of ``tx.plan`` (payloads: a record's
+64-byte header is left out of the bounds).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -52,18 +59,9 @@ import devices
 import jax
 import jax.numpy as jnp
 import optax
+from common import jax_mlp_json
 
 import jax_mlp
-from jax_mlp import quantized
-from jax_mlp._src.cli import sizing
-from jax_mlp._src.cli.ablation import ABLATION, Variant, predict_variant
-from jax_mlp._src.config import OffloadConfig
-from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.schedule import performance as model
-from jax_mlp._src.schedule.performance import PathSpeed
-from jax_mlp._src.stats import UpdateStats
-from jax_mlp._src.storage.bandwidth import probe
-from jax_mlp._src.storage.record import HEADER_SIZE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,16 +98,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Row(NamedTuple):
-    """One row of the ablation: a variant of the mechanisms, and the codec its state is kept in."""
+    """One row of the ablation: a variant of the mechanisms, and the codec its state is kept in.
+
+    ``variant`` is one of the ``mechanisms`` of ``jax-mlp plan --json``: its ``name``, and which of
+    ``alternate``, ``multipath``, ``node_lock`` and ``balanced`` it has on.
+    """
 
     name: str
-    variant: Variant
+    variant: dict
     codec: str = "none"
 
 
-ROWS = tuple(Row(v.name, v) for v in ABLATION) + tuple(
-    Row(f"+{codec} state", ABLATION[-1], codec) for codec in quantized.CODECS
-)
+def rows_of(mechanisms: list[dict]) -> tuple[Row, ...]:
+    """Each variant of the model, then the full one with the state in each codec of ``quantized_state``."""
+    full = mechanisms[-1]
+    codecs = tuple(Row(f"+{codec} state", full, codec) for codec in jax_mlp.quantized.CODECS)
+    return tuple(Row(variant["name"], variant) for variant in mechanisms) + codecs
 
 
 def make_params(state_bytes: int) -> dict:
@@ -119,22 +123,17 @@ def make_params(state_bytes: int) -> dict:
     return {f"w{i}": jnp.full((rows // 4, 1024), 0.01 * (i + 1), jnp.float32) for i in range(4)}
 
 
-def prefetch_depth(depth: int | None = None) -> int:
-    """The prefetch depth the variants run with: ``--depth``, else the library's default."""
-    return depth if depth is not None else OffloadConfig("/unused").prefetch_depth
-
-
-def options_for(variant: Variant, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int | None) -> dict:
+def options_for(variant: dict, fast: jax_mlp.Path, slow: jax_mlp.Path, cache: int, depth: int | None) -> dict:
     """mlp_offload options that turn the variant's mechanisms on or off; the depths default to the library's."""
     depths = {} if depth is None else dict(prefetch_depth=depth, write_depth=depth)
     return dict(
-        paths=[fast, slow] if variant.multipath else [fast],
-        host_cache=cache if variant.alternate else 0,
-        order="alternate" if variant.alternate else "ascending",
-        placement="bandwidth" if variant.balanced else "round_robin",
-        rebalance=variant.balanced,
-        idle_prefetch=variant.balanced,
-        node_lock=variant.node_lock,
+        paths=[fast, slow] if variant["multipath"] else [fast],
+        host_cache=cache if variant["alternate"] else 0,
+        order="alternate" if variant["alternate"] else "ascending",
+        placement="bandwidth" if variant["balanced"] else "round_robin",
+        rebalance=variant["balanced"],
+        idle_prefetch=variant["balanced"],
+        node_lock=variant["node_lock"],
         **depths,
     )
 
@@ -149,7 +148,7 @@ class Runner:
         self.tx = jax_mlp.mlp_offload(inner, subgroup_size=subgroup_size, **options)
         self.state = self.tx.init(params)
         self.caps = [getattr(path, "max_read", None) for path in options["paths"]]
-        self.record_bytes = [HEADER_SIZE + sg.layout.nbytes for sg in self.tx.plan.subgroups]
+        self.record_bytes = [sg.layout.nbytes for sg in self.tx.plan.subgroups]  # payloads
         self.times: list[float] = []
         self.stats: list[dict] = []
         self.io_bounds: list[float] = []
@@ -169,7 +168,7 @@ class Runner:
         return seconds
 
 
-def in_update_bytes(stats: UpdateStats, record_bytes: list[int]) -> list[tuple[float, float]]:
+def in_update_bytes(stats: jax_mlp.UpdateStats, record_bytes: list[int]) -> list[tuple[float, float]]:
     """Bytes each path read and wrote during the update itself, in the order of the paths.
 
     Transfers in the idle time before it (write-backs, reads ahead) are left out, and one that
@@ -188,10 +187,11 @@ def io_bound(moved: list[tuple[float, float]], caps: list[float]) -> float:
     return max((read + written) / cap for (read, written), cap in zip(moved, caps, strict=True))
 
 
-def raw_bandwidth(directory: str, nbytes: int) -> PathSpeed:
-    """The uncapped path through the same tier code: the disk the caps must stay well below."""
+def raw_bandwidth(directory: str, nbytes: int) -> dict:
+    """The uncapped path through the same tier code (``jax-mlp probe``): the disk the caps must stay well below."""
     os.makedirs(directory, exist_ok=True)
-    return model.measured_speed(probe(jax_mlp.Path(directory), total_bytes=nbytes, record_bytes=4 * 1024**2))
+    (measured,) = jax_mlp_json("probe", directory, "--size", str(nbytes), "--record", "4MiB")
+    return measured
 
 
 class Tiers(NamedTuple):
@@ -217,14 +217,43 @@ def capped_paths(directory: str, tiers: Tiers) -> tuple[jax_mlp.Path, jax_mlp.Pa
     return fast, slow
 
 
-def speeds_of(fast_cap: float, slow_cap: float) -> list[PathSpeed]:
-    """The two paths as the model sees them."""
-    return [PathSpeed("fast", fast_cap, fast_cap), PathSpeed("slow", slow_cap, slow_cap)]
+def declared(name: str, read: float, write: float, *, duplex: bool = False) -> str:
+    """A path as ``jax-mlp plan --paths`` takes its rates: ``NAME=READ:WRITE``, ``:duplex`` for both at once."""
+    return f"{name}={read:.0f}B/s:{write:.0f}B/s" + (":duplex" if duplex else "")
 
 
-def mean_record_bytes(plan: Plan) -> float:
-    """The mean bytes of a plan's records on a path, header included."""
-    return statistics.mean(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
+def capped(fast_cap: float, slow_cap: float) -> list[str]:
+    """The two capped paths as the model sees them: one pipe each (what the caps emulate)."""
+    return [declared("fast", fast_cap, fast_cap), declared("slow", slow_cap, slow_cap)]
+
+
+def predicted(
+    plan: jax_mlp.Plan,
+    paths: list[str],
+    *,
+    cache: int,
+    idle: float,
+    compute: float,
+    codec: str = "none",
+    subgroup_size: str | None = None,
+    depth: int | None = None,
+) -> dict:
+    """What ``jax-mlp plan --json`` predicts for the plan's state on ``paths``: its records, each variant's update.
+
+    The model gets the plan's records (their count, and their mean payload as the subgroup size) unless
+    ``subgroup_size`` is given: it then cuts the state, times the ``codec``'s stored fraction, into records of
+    that size, as ``jax-mlp plan --state-codec`` sizes a run. ``cache`` is the host cache, ``idle`` the seconds
+    between updates (the forward and backward), ``compute`` the update's with no storage I/O, ``depth`` the
+    prefetch and write depth (default: the library's).
+    """
+    params = sum(math.prod(leaf.shape) for leaf in plan.leaves)
+    records = subgroup_size or str(-(-plan.state_nbytes // len(plan.subgroups)))
+    sizing = ["--params", str(params), "--state-bytes-per-param", repr(plan.state_nbytes / params)]
+    sizing += ["--subgroup-size", records, "--host-cache", str(cache), "--state-codec", codec]
+    sizing += ["--compute-s", repr(idle), "--update-compute-s", repr(compute)]
+    if depth is not None:
+        sizing += ["--prefetch-depth", str(depth), "--write-depth", str(depth)]
+    return jax_mlp_json("plan", "--paths", *paths, *sizing)
 
 
 class Placement(NamedTuple):
@@ -250,14 +279,16 @@ def floor_runners(args: argparse.Namespace, root: str, params: dict, state_bytes
             paths=[f"{root}/floor_{codec}"],
             host_cache=4 * state_bytes,
         )
-        for codec in ("none", *quantized.CODECS)
+        for codec in ("none", *jax_mlp.quantized.CODECS)
     }
 
 
-def row_runners(args: argparse.Namespace, root: str, params: dict, tiers: Tiers) -> list[tuple[Row, Runner]]:
+def row_runners(
+    args: argparse.Namespace, root: str, params: dict, tiers: Tiers, rows: tuple[Row, ...]
+) -> list[tuple[Row, Runner]]:
     """A runner per row of the ablation, each on its own capped paths."""
     runners = []
-    for row in ROWS:
+    for row in rows:
         tag = row.name.strip("+").replace(" ", "_").replace("/", "_")
         options = options_for(row.variant, *capped_paths(f"{root}/{tag}", tiers), tiers.cache, args.depth)
         runners.append((row, Runner(row.name, params, args.subgroup_size, row.codec, **options)))
@@ -272,30 +303,15 @@ def step_interleaved(runners: list[Runner], iterations: int, idle: float) -> Non
             time.sleep(idle)
 
 
-def predicted_records(row: Row, plan: Plan, subgroup_size: str) -> tuple[int, float]:
-    """The records the model assumes for the row's state: their count and mean size."""
-    if row.codec == "none":
-        return len(plan.subgroups), mean_record_bytes(plan)
-    # Sized as `jax-mlp plan --state-codec` sizes it: the exact state times the codec's stored fraction.
-    exact_state = sum(sg.layout.nbytes for sg in plan.subgroups)
-    return sizing.records(exact_state * quantized.stored_fraction(row.codec), jax_mlp.parse_size(subgroup_size))
-
-
-def predict_row(
-    args: argparse.Namespace, row: Row, records: tuple[int, float], tiers: Tiers, compute_seconds: float
-) -> model.Prediction:
-    """The model's update time and bytes moved for the row's variant on the capped paths."""
-    num_records, record_bytes = records
-    return predict_variant(
-        row.variant,
-        speeds_of(tiers.fast_cap, tiers.slow_cap),
-        num_records=num_records,
-        record_bytes=record_bytes,
-        cache_bytes=tiers.cache,
-        compute_seconds=compute_seconds,
-        idle_seconds=args.idle,
-        prefetch_depth=prefetch_depth(args.depth),
-    )
+def predict_row(args: argparse.Namespace, row: Row, plan: jax_mlp.Plan, tiers: Tiers, compute_seconds: float) -> dict:
+    """The model's update of the row's variant on the capped paths: seconds, bytes per path, and the records it
+    assumed: the plan's, or for compressed state the exact state times the codec's stored fraction in
+    ``--subgroup-size`` records, as ``jax-mlp plan --state-codec`` sizes it."""
+    run = dict(cache=tiers.cache, idle=args.idle, compute=compute_seconds, codec=row.codec, depth=args.depth)
+    sized = None if row.codec == "none" else args.subgroup_size  # compressed: sized as jax-mlp plan sizes it
+    figures = predicted(plan, capped(tiers.fast_cap, tiers.slow_cap), subgroup_size=sized, **run)
+    variant = next(variant for variant in figures["mechanisms"] if variant["name"] == row.variant["name"])
+    return {**variant, "records": figures["records"], "record_bytes": figures["record_bytes"]}
 
 
 def _bytes_by_path(stats: dict, kind: str) -> dict:
@@ -303,9 +319,7 @@ def _bytes_by_path(stats: dict, kind: str) -> dict:
     return {k.split("[")[1].rstrip("]"): v for k, v in stats.items() if k.startswith(f"{kind}[")}
 
 
-def row_result(
-    row: Row, runner: Runner, records: tuple[int, float], prediction: model.Prediction, compute_seconds: float
-) -> dict:
+def row_result(row: Row, runner: Runner, prediction: dict, compute_seconds: float) -> dict:
     """A row's measurements (its first update left out of the medians) next to the model's prediction."""
     steady = runner.times[1:]
     last = runner.stats[-1]
@@ -314,18 +328,18 @@ def row_result(
         "codec": row.codec,
         "median_update_s": statistics.median(steady),
         "update_s": runner.times,
-        "predicted_s": prediction.seconds,
-        "prediction_error": statistics.median(steady) / prediction.seconds - 1,
+        "predicted_s": prediction["seconds"],
+        "prediction_error": statistics.median(steady) / prediction["seconds"] - 1,
         "compute_floor_s": compute_seconds,
         "records": len(runner.record_bytes),
         "stored_bytes": sum(runner.record_bytes),
-        "predicted_records": records[0],
-        "predicted_record_bytes": records[1],
+        "predicted_records": prediction["records"],
+        "predicted_record_bytes": prediction["record_bytes"],
         "in_update_io_bound_s": statistics.median(runner.io_bounds[1:]),
         "bytes_read": _bytes_by_path(last, "bytes_read"),
         "bytes_written": _bytes_by_path(last, "bytes_written"),
-        "predicted_bytes_read": prediction.bytes_read,
-        "predicted_bytes_written": prediction.bytes_written,
+        "predicted_bytes_read": prediction["bytes_read"],
+        "predicted_bytes_written": prediction["bytes_written"],
         "cache_hits": last["cache_hits"],
     }
 
@@ -340,13 +354,13 @@ def add_speedups(rows: list[dict]) -> None:
             row["of_ideal"] = row["speedup_vs_baseline"] / row["ideal_speedup"]
 
 
-def summary(rows: list[dict], plan: Plan, tiers: Tiers, compute_seconds: float) -> dict:
+def summary(rows: list[dict], plan: jax_mlp.Plan, tiers: Tiers, compute_seconds: float) -> dict:
     """The ablation's result: the setting, the rows, and the headline speedups of full and of int8 state."""
-    full = next(row for row in rows if row["variant"] == ABLATION[-1].name)
+    full = [row for row in rows if row["codec"] == "none"][-1]  # the model's last variant has every mechanism
     return {
         "state_bytes": tiers.state_bytes,
         "records": len(plan.subgroups),
-        "record_bytes": mean_record_bytes(plan),
+        "record_bytes": plan.state_nbytes / len(plan.subgroups),
         "cache_bytes": tiers.cache,
         "caps_bytes_per_s": {"fast": tiers.fast_cap, "slow": tiers.slow_cap},
         "compute_floor_s": compute_seconds,
@@ -358,11 +372,16 @@ def summary(rows: list[dict], plan: Plan, tiers: Tiers, compute_seconds: float) 
     }
 
 
-def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
+def variants() -> list[dict]:
+    """The variants of the performance model, from baseline to full, as ``jax-mlp plan --json`` lists them."""
+    return jax_mlp_json("plan", "--params", "1", "--paths", "any=1GB/s")["mechanisms"]  # any run lists them all
+
+
+def run_ablation(args: argparse.Namespace, root: str, params: dict, mechanisms: list[dict]) -> dict:
     """Steps the compute floors and the rows interleaved, then sets each row against the model's prediction."""
     tiers = tiers_of(args)
     floors = floor_runners(args, root, params, tiers.state_bytes)
-    runners = row_runners(args, root, params, tiers)
+    runners = row_runners(args, root, params, tiers, rows_of(mechanisms))
     plan = runners[0][1].tx.plan
     step_interleaved([*floors.values(), *(runner for _, runner in runners)], args.iterations, args.idle)
     compute_seconds = {codec: statistics.median(floor.times[1:]) for codec, floor in floors.items()}
@@ -371,19 +390,18 @@ def run_ablation(args: argparse.Namespace, root: str, params: dict) -> dict:
 
     rows = []
     for row, runner in runners:
-        records = predicted_records(row, plan, args.subgroup_size)
-        prediction = predict_row(args, row, records, tiers, compute_seconds[row.codec])
-        rows.append(row_result(row, runner, records, prediction, compute_seconds[row.codec]))
+        prediction = predict_row(args, row, plan, tiers, compute_seconds[row.codec])
+        rows.append(row_result(row, runner, prediction, compute_seconds[row.codec]))
         runner.tx.close(delete=True)
     add_speedups(rows)
     return summary(rows, plan, tiers, compute_seconds["none"])
 
 
-def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_seconds: float) -> dict:
-    """Cuts the slow path's cap to a quarter after 4 updates; returns times against the model."""
+def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_seconds: float, full: dict) -> dict:
+    """Cuts the slow path's cap to a quarter after 4 updates, under the ``full`` variant; returns times against the model."""
     tiers = tiers_of(args)
     fast, slow = capped_paths(f"{root}/rebalance", tiers)
-    options = options_for(ABLATION[-1], fast, slow, tiers.cache, args.depth)
+    options = options_for(full, fast, slow, tiers.cache, args.depth)
     runner = Runner("rebalance", params, args.subgroup_size, **options)
     plan = runner.tx.plan
     placements = []
@@ -393,15 +411,9 @@ def run_rebalance(args: argparse.Namespace, root: str, params: dict, compute_sec
         runner.step()
         placements.append(_placement_of(runner.tx))
         time.sleep(args.idle)
-    predicted_after = model.predict(
-        speeds_of(tiers.fast_cap, tiers.slow_cap / 4),
-        num_records=len(plan.subgroups),
-        record_bytes=mean_record_bytes(plan),
-        cache_bytes=tiers.cache,
-        compute_seconds=compute_seconds,
-        idle_seconds=args.idle,
-        prefetch_records=prefetch_depth(args.depth),
-    ).seconds
+    run = dict(cache=tiers.cache, idle=args.idle, compute=compute_seconds, depth=args.depth)
+    after_cut = predicted(plan, capped(tiers.fast_cap, tiers.slow_cap / 4), **run)
+    predicted_after = after_cut["mechanisms"][-1]["seconds"]
     moves = _placement_of(runner.tx).moves
     runner.tx.close(delete=True)
     after = runner.times[4:]
@@ -478,19 +490,16 @@ def real_pairs(args: argparse.Namespace) -> dict[str, tuple[devices.Throttle, de
     }
 
 
-def real_ideal(variant: dict, pair: tuple[devices.Throttle, ...], plan: Plan, tiers: Tiers, floor: float, idle: float):
-    """The model's update on the throttled rates, both directions at once (the kernel throttles them apart)."""
+def real_ideal(
+    args: argparse.Namespace, variant: dict, pair: tuple[devices.Throttle, ...], plan: jax_mlp.Plan, floor: float
+) -> float:
+    """The model's update on the throttled rates, both directions at once (the kernel throttles them apart): the
+    full scheduler's prediction on the variant's paths and cache, with the library's default depths."""
     named = dict(zip(("fast", "slow"), pair, strict=True))
-    speeds = [PathSpeed(name, named[name].read_bps, named[name].write_bps, serial=0.0) for name in variant["paths"]]
-    return model.predict(
-        speeds,
-        num_records=len(plan.subgroups),
-        record_bytes=mean_record_bytes(plan),
-        cache_bytes=variant.get("host_cache", tiers.cache),
-        compute_seconds=floor,
-        idle_seconds=idle,
-        prefetch_records=prefetch_depth(),  # the default, read in the idle time before the update
-    ).seconds
+    paths = [declared(name, named[name].read_bps, named[name].write_bps, duplex=True) for name in variant["paths"]]
+    cache = variant.get("host_cache", tiers_of(args).cache)
+    figures = predicted(plan, paths, cache=cache, idle=args.idle, compute=floor)
+    return figures["mechanisms"][-1]["seconds"]
 
 
 @contextlib.contextmanager
@@ -525,10 +534,7 @@ def run_real_pair(args: argparse.Namespace, params: dict, tiers: Tiers, pair: tu
         step_interleaved([floor, *runners.values()], args.iterations, args.idle)
     compute = statistics.median(floor.times[1:])
     plan = floor.tx.plan
-    rows = {
-        name: real_row(runner, REAL_VARIANTS[name], pair, plan, tiers, compute, args.idle)
-        for name, runner in runners.items()
-    }
+    rows = {name: real_row(args, runner, REAL_VARIANTS[name], pair, plan, compute) for name, runner in runners.items()}
     baseline, cached, full = (rows[name] for name in REAL_VARIANTS)
     ideal_speedup = baseline["ideal_s"] / full["ideal_s"]
     last = full["update_s"][-5:]
@@ -561,13 +567,15 @@ def print_run(run: dict) -> None:
     )
 
 
-def real_row(runner: Runner, variant: dict, pair: tuple, plan: Plan, tiers: Tiers, compute: float, idle: float) -> dict:
+def real_row(
+    args: argparse.Namespace, runner: Runner, variant: dict, pair: tuple, plan: jax_mlp.Plan, compute: float
+) -> dict:
     """A real variant's updates (the median of the last 5, and of the 4th on), the model's prediction, and moves.
 
     The last 5 are the steady state: starting from an equal split, full takes a few updates to converge.
     """
     steady = statistics.median(runner.times[-5:])
-    ideal = real_ideal(variant, pair, plan, tiers, compute, idle)
+    ideal = real_ideal(args, variant, pair, plan, compute)
     return {
         "last_5_s": steady,
         "median_update_s": statistics.median(runner.times[3:]),
@@ -662,11 +670,12 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         raw = raw_bandwidth(f"{root}/raw", 2 * jax_mlp.parse_size(args.state))
         params = make_params(jax_mlp.parse_size(args.state))
-        ablation = run_ablation(args, root, params)
+        mechanisms = variants()
+        ablation = run_ablation(args, root, params, mechanisms)
         result = {
-            "raw_disk_bytes_per_s": {"read": raw.read_bandwidth, "write": raw.write_bandwidth},
+            "raw_disk_bytes_per_s": {"read": raw["read_bandwidth"], "write": raw["write_bandwidth"]},
             "ablation": ablation,
-            "rebalance": run_rebalance(args, root, params, ablation["compute_floor_s"]),
+            "rebalance": run_rebalance(args, root, params, ablation["compute_floor_s"], mechanisms[-1]),
             "idle_s": args.idle,
         }
     finally:
@@ -687,7 +696,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{ablation['full_vs_baseline_of_ideal']:.1%} of the ideal {ablation['ideal_speedup_full_vs_baseline']:.2f}x; "
         f"+int8 state vs baseline: {ablation['speedup_int8_vs_baseline']:.2f}x"
     )
-    print(f"raw disk: read {raw.read_bandwidth / 1e6:.0f} MB/s, write {raw.write_bandwidth / 1e6:.0f} MB/s")
+    print(f"raw disk: read {raw['read_bandwidth'] / 1e6:.0f} MB/s, write {raw['write_bandwidth'] / 1e6:.0f} MB/s")
     rebalance = result["rebalance"]
     print(
         f"rebalance: {[round(t, 2) for t in rebalance['update_s']]}; model after cut "

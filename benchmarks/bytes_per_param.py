@@ -21,14 +21,13 @@ import optax
 from common import print_and_save
 
 import jax_mlp
-from jax_mlp import quantized
 
 PARAMS = {
     "fp32": (jnp.float32, None, "full"),
     "bf16 + fp32 master, full": (jnp.bfloat16, jnp.float32, "full"),
     "bf16 + fp32 master, remainder": (jnp.bfloat16, jnp.float32, "remainder"),
 }
-CODECS = ("none", *quantized.CODECS)
+CODECS = ("none", *jax_mlp.quantized.CODECS)
 
 
 def _inner(codec: str) -> optax.GradientTransformation:

@@ -1,4 +1,4 @@
-"""What the benchmarks share: a ``--smoke`` run for tests, showing a result and keeping it.
+"""What the benchmarks share: a ``--smoke`` run for tests, showing a result and keeping it, and the ``jax-mlp`` command.
 
 The benchmarks import it from their own directory, so run them as ``python benchmarks/NAME.py``.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,3 +35,12 @@ def print_and_save(result: dict[str, Any], out: pathlib.Path | None) -> None:
     print(text)
     if out:
         out.write_text(text + "\n")
+
+
+def jax_mlp_json(*args: str) -> Any:
+    """What ``jax-mlp ARGS --json`` prints (``python -m jax_mlp`` in this interpreter): the model and the probe
+    as the public face has them. A failure raises with the command's message."""
+    done = subprocess.run([sys.executable, "-m", "jax_mlp", *args, "--json"], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"jax-mlp {' '.join(args)} failed: {done.stderr.strip()}")
+    return json.loads(done.stdout)

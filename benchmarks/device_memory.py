@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import optax
 
 import jax_mlp
-from jax_mlp._src.parsing import parse_size
 
 
 class LivePeakRise:
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, help="a directory for device_memory.json")
     args = parser.parse_args(argv)
-    params_bytes = parse_size(args.params, name="--params")
+    params_bytes = jax_mlp.parse_size(args.params, name="--params")
     options = {
         "subgroup_size": args.subgroup_size,
         "write_depth": args.write_depth,

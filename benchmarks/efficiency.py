@@ -4,7 +4,7 @@ In one process, on the same file system and sizes, it measures
 
 1. the raw bandwidth of the path: aligned ``os.pwrite`` and ``os.preadv``, as many bytes as one
    update reads (and writes), in two request shapes: whole records (``--threads`` in flight) and
-   the offloader's chunk files (``CHUNK_REQUESTS`` in flight), writing, reading, and both at once.
+   the offloader's chunk files (``CHUNKS_IN_FLIGHT`` in flight), writing, reading, and both at once.
    O_DIRECT is used where the file system allows it; otherwise buffered I/O with ``fsync`` and
    ``posix_fadvise(DONTNEED)``, and the JSON says which. One round runs before every update, so
    the disk is measured under the same conditions as the update;
@@ -17,6 +17,12 @@ In one process, on the same file system and sizes, it measures
    larger than the state and ``flush="lazy"``, update by update in turn, in wall and CPU seconds.
 
 Writes ``efficiency.json`` and ``efficiency.png`` into ``--out``.
+
+Only the public face is used. The record size is the init's bytes written over its records
+(``tx.stats``: header included); the chunk files' size is read from the files the init wrote (zarr3
+keeps a record's chunks under ``c/``); ``CHUNKS_IN_FLIGHT`` is the local backend's chunk requests per
+direction (8, docs/efficiency.md; ``tests/test_benchmarks.py`` checks it against the library); the
+record checksum is ISA-L's CRC-32, which records use (docs/usage.md).
 
     python benchmarks/efficiency.py --out benchmarks/results --before benchmarks/results/efficiency_before.json
     python benchmarks/efficiency.py --smoke --out /tmp/eff       # a few seconds, for tests
@@ -43,14 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from common import parse_with_smoke
+from isal.isal_zlib import crc32 as records_crc32
 
 import jax_mlp
-from jax_mlp._src.storage import record
-from jax_mlp._src.storage.bandwidth import drop_page_cache
-from jax_mlp._src.storage.chunk_files import CHUNK_REQUESTS
-from jax_mlp._src.storage.record import HEADER_SIZE, chunk_bytes
 
 ALIGN = 4096
+CHUNKS_IN_FLIGHT = 8
+"""Chunk files the offloader's local backend moves at once per direction and path (docs/efficiency.md)."""
 BUFFERED = "buffered + fsync + posix_fadvise(DONTNEED)"
 SMOKE = {"state": "8MiB", "subgroup_size": "1MiB", "leaf": "256KiB", "cached_state": "4MiB", "updates": 2}
 LARGER_THAN_RAM = (
@@ -101,6 +106,28 @@ def tree_nbytes(tree: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- raw bandwidth
+
+
+def drop_page_cache(directory: str) -> None:
+    """Syncs every file under ``directory`` and drops it from the page cache, so reads come from the disk."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def chunk_file_bytes(directory: str) -> int:
+    """The size of the chunk files the offloader wrote under ``directory``: zarr3 keeps a record's chunks in ``c/``."""
+    return max(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, files in os.walk(directory)
+        if os.path.basename(root) == "c"
+        for name in files
+    )
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -237,13 +264,13 @@ class RawDisk:
     """The raw path, measured in rounds between the updates: whole-record requests, and chunk-sized
     requests as many in flight as the offloader's chunk pools."""
 
-    def __init__(self, directory: str, total_bytes: int, record_bytes: int, threads: int):
+    def __init__(self, directory: str, total_bytes: int, record_bytes: int, chunk_bytes: int, threads: int):
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.direct = supports_direct(directory)
         self.shapes = {
             "records": RawShape(directory, total_bytes, record_bytes, threads, self.direct),
-            "chunks": RawShape(directory, total_bytes, chunk_bytes(record_bytes), CHUNK_REQUESTS, self.direct),
+            "chunks": RawShape(directory, total_bytes, chunk_bytes, CHUNKS_IN_FLIGHT, self.direct),
         }
 
     def round(self) -> None:
@@ -312,10 +339,9 @@ def offloaded_update(args: argparse.Namespace, root: str, params: dict) -> tuple
     )
     state = tx.init(params)
     plan = tx.plan
-    record_bytes = max(HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups)
-    raw = RawDisk(
-        os.path.join(root, "raw"), plan.state_nbytes + HEADER_SIZE * len(plan.subgroups), record_bytes, args.threads
-    )
+    stored = sum(tx.stats.bytes_written.values())  # the init writes every record once: headers and payloads
+    record_bytes = stored // len(plan.subgroups)
+    raw = RawDisk(os.path.join(root, "raw"), stored, record_bytes, chunk_file_bytes(directory), args.threads)
     splits, walls, syncs = [], [], []
     try:
         for step in range(args.updates + 1):
@@ -555,13 +581,13 @@ def plot(result: dict, before: dict | None, path: str) -> None:
 
 
 def checksum_speed(nbytes: int) -> dict:
-    """Bytes/s of the record checksum as jax_mlp computes it, and of zlib's, on ``nbytes`` of random data."""
+    """Bytes/s of the record checksum (ISA-L's CRC-32, what records use), and of zlib's, on ``nbytes`` of random data."""
     data = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
     speeds = {}
-    for name, crc in (("used", record.crc32), ("zlib", zlib.crc32)):
+    for name, crc in (("used", records_crc32), ("zlib", zlib.crc32)):
         seconds = min(timed(functools.partial(crc, data))[0] for _ in range(3))
         speeds[f"{name}_bytes_per_s"] = nbytes / seconds
-    return {"used": record.crc32.__module__, **speeds}
+    return {"used": records_crc32.__module__, **speeds}
 
 
 def report(result: dict) -> None:

@@ -3,14 +3,15 @@
 For each server (moto's S3 server and fake-gcs-server, started here on 127.0.0.1; see
 ``tests/object_stores.py``), in one process:
 
-1. the raw throughput of the store for the bytes of one update: the records' zarr3 arrays opened
-   through the same ``KvStoreBackend`` (the same tensorstore spec and context the offloader uses),
-   ``--state`` bytes in records of the update's size, written, read, and read and written at once,
-   every record in flight (tensorstore's own request limit, 32, bounds the requests); one round
-   before every update, so the server is measured under the same conditions;
+1. the raw throughput of the store for the bytes of one update, as ``jax-mlp probe --json`` measures
+   it through the tier code the offloader uses (the same tensorstore spec and context): the update's
+   bytes in records of its size, written, read, and read while writing as many, every record in
+   flight (tensorstore's own request limit, 32, bounds the requests); one probe before every update,
+   so the server is measured under the same conditions;
 2. the time of ``mlp_offload(optax.adam, host_cache=0)`` updates on that store alone, default options;
-3. the I/O bound of each update, ``bytes_read / raw_read + bytes_written / raw_write`` (and the bound
-   from reading and writing at once), and the ratio of the update to it;
+3. the I/O bound of each update, ``bytes_read / raw_read + bytes_written / raw_write``, and the bound
+   from reading and writing at once, ``max(r, w) + serial * min(r, w)`` of those two times with the
+   probe's ``serial`` (docs/scheduling.md); and the ratio of the update to each;
 4. an outage: a small offload with the default ``store_timeout``, the server killed between two
    updates, and the seconds until the next update fails (with the error's first words).
 
@@ -26,6 +27,7 @@ Writes ``object_store.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import statistics
@@ -35,14 +37,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from common import parse_with_smoke, print_and_save
+from common import jax_mlp_json, parse_with_smoke, print_and_save
 
 import jax_mlp
-from jax_mlp._src.parsing import parse_size
-from jax_mlp._src.storage.kvstore import KvStoreBackend
-from jax_mlp._src.storage.record import new_record
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from object_stores import S3_KEYS, FakeGcs, MotoS3  # the servers the tests use
@@ -70,47 +68,25 @@ def make_params(state_bytes: int, subgroup_bytes: int) -> dict:
     return {f"w{i:04d}": jax.random.normal(keys[i], (rows, columns), jnp.float32) for i in range(count)}
 
 
-def raw_round(spec: dict, record_bytes: list[int], store_timeout: float) -> dict[str, float]:
-    """Seconds to write, read, and read and write at once the records' arrays, every record in flight."""
-    backend = KvStoreBackend({**spec, "path": spec["path"] + "raw/"}, 0, store_timeout)
-    try:
-        sources = []
-        for nbytes in record_bytes:
-            record = new_record(nbytes)
-            record[:] = np.random.default_rng(nbytes).integers(0, 256, record.nbytes, dtype=np.uint8)
-            sources.append(record)
-        arrays = [backend.open_record(f"r{k}", s.nbytes, create=True) for k, s in enumerate(sources)]
-        others = [backend.open_record(f"w{k}", s.nbytes, create=True) for k, s in enumerate(sources)]
-        start = time.perf_counter()
-        for future in [a.write(s) for a, s in zip(arrays, sources, strict=True)]:
-            future.result()
-        write = time.perf_counter() - start
-        start = time.perf_counter()
-        for future in [a.read() for a in arrays]:
-            future.result()
-        read = time.perf_counter() - start
-        start = time.perf_counter()
-        futures = [a.read() for a in arrays] + [a.write(s) for a, s in zip(others, sources, strict=True)]
-        for future in futures:
-            future.result()
-        both = time.perf_counter() - start
-    finally:
-        backend.remove()
-    nbytes = sum(s.nbytes for s in sources)
-    return {"write_Bps": nbytes / write, "read_Bps": nbytes / read, "both_s": both, "bytes": nbytes}
+def raw_round(spec: dict, record_bytes: list[int]) -> dict[str, float]:
+    """``jax-mlp probe`` of the store for the records' bytes, every record in flight: bytes/s each way, and ``serial``."""
+    store = json.dumps({**spec, "path": spec["path"] + "raw/"})
+    sizes = ["--size", str(sum(record_bytes)), "--record", str(max(record_bytes)), "--inflight", str(len(record_bytes))]
+    (measured,) = jax_mlp_json("probe", store, *sizes)
+    return measured
 
 
 def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
     """The raw rounds and the updates on one store, and their ratios."""
     options = {} if args.subgroup_size is None else {"subgroup_size": args.subgroup_size}
     config = jax_mlp.OffloadConfig(paths=[spec], **options)
-    params = make_params(parse_size(args.state), config.subgroup_size)
+    params = make_params(jax_mlp.parse_size(args.state), config.subgroup_size)
     tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[jax_mlp.Path({**spec, "path": spec["path"] + "run/"})], **options)
     state = tx.init(params)
     records = [sg.layout.nbytes for sg in tx.plan.subgroups]
     rows = []
     for step in range(args.updates + 1):
-        raw = raw_round(spec, records, config.store_timeout)
+        raw = raw_round(spec, records)
         grads = jax.block_until_ready(jax.tree.map(lambda p, step=step: p * 0.01 + step, params))
         start = time.perf_counter()
         updates, state = tx.update(grads, state, params)
@@ -118,8 +94,9 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - start
         stats = tx.stats
         read, written = sum(stats.bytes_read.values()), sum(stats.bytes_written.values())
-        bound = read / raw["read_Bps"] + written / raw["write_Bps"]
-        both = raw["both_s"] * max(read, written) / raw["bytes"]
+        read_s, write_s = read / raw["read_bandwidth"], written / raw["write_bandwidth"]
+        bound = read_s + write_s
+        both = max(read_s, write_s) + raw["serial"] * min(read_s, write_s)
         rows.append(
             {
                 "step": step,
@@ -129,8 +106,9 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
                 "compute_s": stats.compute_s,
                 "bytes_read": read,
                 "bytes_written": written,
-                "raw_read_MBps": raw["read_Bps"] / 1e6,
-                "raw_write_MBps": raw["write_Bps"] / 1e6,
+                "raw_read_MBps": raw["read_bandwidth"] / 1e6,
+                "raw_write_MBps": raw["write_bandwidth"] / 1e6,
+                "raw_serial": raw["serial"],
                 "io_bound_s": bound,
                 "io_bound_at_once_s": both,
                 "ratio_to_io_bound": seconds / bound,

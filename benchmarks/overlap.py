@@ -2,15 +2,18 @@
 
 A real model (tanh layers of ``--width``, adam over ``--state`` of fp32 state) trains on one path:
 a device throttled by the kernel (``--devices real``: a loop-backed ext4 under a blkio cgroup, each
-direction apart; needs root) or the library's own caps (``--devices emulated``). ``D``, the disk time
-of what a step must move (read ``S - C``, write ``S``, both directions at once as far as the path
-serialises them), is measured in the same run with the probe. The batch is sized so the forward and
-backward take ``F`` of about ``--factors`` × ``D``. For each factor and each of ``--runs`` runs, the
-same steps run split (grads, then ``tx.update``) and overlapped (``offload.overlap`` in the loss),
-one after the other; the figures are each run's median step, against ``max(F, D)`` plus the
-in-memory update's compute (``optax.adam`` jitted on the same params), and against the performance
-model's prediction (``plan``'s). The peak RSS of both is sampled in the same run. Default options
-otherwise (host cache ``--cache-fraction`` of the state).
+direction apart; needs root) or the library's own caps (``--devices emulated``). ``D`` is the disk
+time of what a step must move (read ``S - C``, write ``S``), both directions at once as far as the
+path serialises them: ``max(r, w) + serial * min(r, w)`` (docs/scheduling.md) at the path's speed,
+measured in the same run by ``jax-mlp probe --json`` on a real device, the caps themselves (one pipe,
+what they emulate) on an emulated one. The batch is sized so the forward and backward take ``F`` of
+about ``--factors`` × ``D``. For each factor and each of ``--runs`` runs, the same steps run split
+(grads, then ``tx.update``) and overlapped (``offload.overlap`` in the loss), one after the other;
+the figures are each run's median step, against ``max(F, D)`` plus the in-memory update's compute
+(``optax.adam`` jitted on the same params), and against the performance model's prediction
+(``jax-mlp plan --json``'s ``step``, given the path's speed, the plan's records, the cache, ``F`` and
+that compute). The peak RSS of both is sampled in the same run. Default options otherwise (host cache
+``--cache-fraction`` of the state). Only the public face is used.
 
 Writes ``overlap_<devices>.json`` into ``--out``.
 
@@ -36,13 +39,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import psutil
-from common import parse_with_smoke, print_and_save
+from common import jax_mlp_json, parse_with_smoke, print_and_save
 
 import jax_mlp
-from jax_mlp._src.schedule.performance import measured_speed, predict_step
-from jax_mlp._src.storage.bandwidth import probe, transfer_seconds
-from jax_mlp._src.storage.record import HEADER_SIZE
 
+RECORD_HEADER = 64
+"""Bytes of a record before its payload (docs/concepts.md): a cache holds whole records."""
 SMOKE = {"state": "8MiB", "width": 256, "runs": 1, "steps": 3, "factors": [1.0], "devices": "emulated"}
 
 
@@ -74,6 +76,33 @@ def the_path(args: argparse.Namespace) -> Iterator[jax_mlp.Path]:
     with devices.throttled_devices([devices.Throttle(rate, rate)], size) as made:
         devices.join(made)
         yield jax_mlp.Path(made.devices[0].mount)
+
+
+def speed_of(args: argparse.Namespace, path: jax_mlp.Path, state_bytes: int) -> dict:
+    """The path's read and write bandwidth and ``serial``: probed (``jax-mlp probe``), or an emulated path's caps."""
+    if args.devices == "emulated":
+        rate = jax_mlp.parse_rate(args.rate)
+        return {"path": path.location, "read_bandwidth": rate, "write_bandwidth": rate, "serial": 1.0}
+    size = ["--size", str(min(64 * 2**20, state_bytes)), "--record", "4MiB"]
+    (measured,) = jax_mlp_json("probe", path.location, *size)
+    return measured
+
+
+def disk_seconds(speed: dict, read_bytes: float, write_bytes: float) -> float:
+    """Seconds the path takes to read and write these bytes at once, as far as its ``serial`` lets it."""
+    read, write = read_bytes / speed["read_bandwidth"], write_bytes / speed["write_bandwidth"]
+    return max(read, write) + speed["serial"] * min(read, write)
+
+
+def predicted_steps(speed: dict, params: list, records: int, cache: int, forward_backward: float, compute: float):
+    """The step split and overlapped, as ``jax-mlp plan --json`` predicts it for this run (``step``)."""
+    count = sum(x.size for x in params)
+    rates = f"disk={speed['read_bandwidth']:.0f}B/s:{speed['write_bandwidth']:.0f}B/s"
+    run = ["--paths", rates + (":duplex" if speed["serial"] < 0.5 else ""), "--params", str(count)]
+    run += ["--subgroup-size", str(-(-8 * count // records)), "--host-cache", str(cache)]  # the plan's records
+    run += ["--compute-s", repr(forward_backward), "--update-compute-s", repr(compute)]
+    step = jax_mlp_json("plan", *run)["step"]
+    return {"split": step["split_s"], "overlapped": step["overlapped_s"]}
 
 
 def layers_for(args: argparse.Namespace) -> int:
@@ -183,18 +212,14 @@ def main(argv: list[str] | None = None) -> dict:
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     state_bytes = 2 * param_bytes
     # with room for the records' headers, so that a quarter of the state caches a quarter of its records
-    cache = int(args.cache_fraction * state_bytes) + HEADER_SIZE * layers
+    cache = int(args.cache_fraction * state_bytes) + RECORD_HEADER * layers
     compute = in_memory_update_seconds(params)
     result = {"devices": args.devices, "rate": args.rate, "layers": layers, "width": args.width}
     result.update(state_bytes=state_bytes, cache_bytes=cache, in_memory_update_s=compute, factors=[])
     with the_path(args) as path:
-        measured = probe(path, total_bytes=min(64 * 2**20, state_bytes), record_bytes=4 * 2**20)
-        speed = measured_speed(measured)
-        # D, measured: the bytes of a step (read S - C, write S) moved at once through the path, as records
-        disk = transfer_seconds(path, read_bytes=state_bytes - cache, write_bytes=state_bytes, record_bytes=4 * 2**20)
-        result.update(
-            probe=measured._asdict(), disk_s=disk, disk_s_from_probe=speed.seconds(state_bytes - cache, state_bytes)
-        )
+        speed = speed_of(args, path, state_bytes)
+        disk = disk_seconds(speed, state_bytes - cache, state_bytes)  # D: a step's bytes, read S - C and write S
+        result.update(speed=speed, disk_s=disk)
         for factor in args.factors:
             rows = rows_for(params, factor * disk)
             runs = []
@@ -203,20 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                 split = train(path, f"split{run}", params, rows, args.steps, cache, overlapped=False)
                 overlapped = train(path, f"overlap{run}", params, rows, args.steps, cache, overlapped=True)
                 ideal = max(forward_backward, disk) + compute
-                records = split["num_records"]
-                model = {
-                    name: predict_step(
-                        [speed],
-                        forward_backward_seconds=forward_backward,
-                        overlapped=name == "overlapped",
-                        num_records=records,
-                        record_bytes=HEADER_SIZE + state_bytes / records,
-                        cache_bytes=cache,
-                        compute_seconds=compute,
-                        prefetch_records=jax_mlp.OffloadConfig.defaults()["prefetch_depth"],
-                    )
-                    for name in ("split", "overlapped")
-                }
+                model = predicted_steps(speed, params, split["num_records"], cache, forward_backward, compute)
                 runs.append(
                     {
                         "forward_backward_s": forward_backward,

@@ -9,6 +9,10 @@ to zero. The script trains it with fp32 adam, then
 - trains it again with ``quantized_state(adam, codec)`` for each codec and reports the final loss;
 - times each codec's encoding and decoding of a large leaf, in nanoseconds per element.
 
+It reaches the codecs through the public ``jax_mlp.quantized`` (``compress``/``decompress``: the int8
+round trip is theirs); ``BLOCK``, the block size of the maps it compares, is the one docs/api.md gives
+for the int8 codec (``tests/test_benchmarks.py`` checks the two agree).
+
     PYTHONPATH=. python benchmarks/state_codecs.py --out benchmarks/results/state_codecs.json
 """
 
@@ -26,10 +30,12 @@ import numpy as np
 import optax
 from common import print_and_save
 
-from jax_mlp._src import state_codecs as quantized
+import jax_mlp
+from jax_mlp.quantized import CODECS, compress, decompress
 
 VOCAB, WIDTH, HIDDEN, BATCH = 512, 64, 128, 256
 EPS = 1e-8  # adam's
+BLOCK = 256  # values per block of the maps compared, as in quantized_state's int8 (docs/api.md#quantized_state)
 
 
 def make_task(seed: int = 0) -> tuple[Callable[[int], tuple[jax.Array, jax.Array]], Any]:
@@ -83,9 +89,9 @@ def final_loss(losses: list[float], window: int = 20) -> float:
 
 def _blocks(x: np.ndarray) -> np.ndarray:
     n = x.shape[-1]
-    blocks = -(-n // quantized.BLOCK_SIZE)
-    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * quantized.BLOCK_SIZE - n)])
-    return padded.reshape(*x.shape[:-1], blocks, quantized.BLOCK_SIZE)
+    blocks = -(-n // BLOCK)
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * BLOCK - n)])
+    return padded.reshape(*x.shape[:-1], blocks, BLOCK)
 
 
 def _unblock(blocks: np.ndarray, n: int) -> np.ndarray:
@@ -139,7 +145,7 @@ NU_MAPS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "dynamic map of sqrt (int8 format 1)": lambda x: _blockwise(x, dynamic_map(signed=False), root=True),
     "block float of sqrt, 3 fraction bits": lambda x: _block_float_of_sqrt(x, 3),
     "block float of sqrt, 4 fraction bits (quantized_state)": lambda x: np.asarray(
-        quantized.dequantize_int8(quantized.quantize_int8(jnp.asarray(x)))
+        decompress(compress(jnp.asarray(x), "int8", jnp.int32(0)))
     ),
 }
 
@@ -182,12 +188,12 @@ def codec_cost(rows: int = 4096, columns: int = 1024, repeats: int = 20) -> dict
         return float(np.median(seconds)) / (rows * columns) * 1e9
 
     out = {}
-    for codec in quantized.CODECS:
+    for codec in CODECS:
         for name, leaf in leaves.items():
-            encoded = quantized.compress(leaf, codec, jnp.int32(0))
+            encoded = compress(leaf, codec, jnp.int32(0))
             out[f"{codec} {name}"] = {
-                "encode_ns": median_ns(lambda x, codec=codec: quantized.compress(x, codec, jnp.int32(0)), leaf),
-                "decode_ns": median_ns(quantized.decompress, encoded),
+                "encode_ns": median_ns(lambda x, codec=codec: compress(x, codec, jnp.int32(0)), leaf),
+                "decode_ns": median_ns(decompress, encoded),
             }
     return out
 
@@ -204,8 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mu, nu = ([np.asarray(x) for x in jax.tree.leaves(tree) if x.ndim >= 2] for tree in (adam.mu, adam.nu))
     result: dict[str, Any] = {"steps": args.steps, "lr": args.lr, "nu_maps": nu_errors(mu, nu)}
     result["codec_cost"] = codec_cost()
-    variants = {codec: quantized.quantized_state(optax.adam(args.lr), codec) for codec in quantized.CODECS}
-    variants["bf16 stochastic"] = quantized.quantized_state(optax.adam(args.lr), "bf16", stochastic=True)
+    variants = {codec: jax_mlp.quantized_state(optax.adam(args.lr), codec) for codec in CODECS}
+    variants["bf16 stochastic"] = jax_mlp.quantized_state(optax.adam(args.lr), "bf16", stochastic=True)
     result["final_loss"] = {"fp32": final_loss(losses)}
     result["final_loss"].update({name: final_loss(train(tx, args.steps)[0]) for name, tx in variants.items()})
     print_and_save(result, args.out)

@@ -2,33 +2,9 @@
 
 ``jax_mlp.quantized_state(inner, codec)`` keeps an optax optimizer's state in bf16 or blockwise int8
 between steps (docs/api.md#quantized_state). The codecs are public here for code that reads such a
-state, e.g. a checkpoint restored into plain optax.
+state, e.g. a checkpoint restored into plain optax: ``decompress`` turns it back into float32.
 """
 
-from jax_mlp._src.state_codecs import (
-    CODECS,
-    INT8_FORMAT,
-    MIN_LAST_AXIS,
-    QuantizedState,
-    check_int8_format,
-    compress,
-    decompress,
-    dequantize_int8,
-    quantize_int8,
-    quantized_state,
-    stored_fraction,
-)
+from jax_mlp._src.state_codecs import CODECS, QuantizedState, compress, decompress, quantized_state, stored_fraction
 
-__all__ = [
-    "CODECS",
-    "INT8_FORMAT",
-    "MIN_LAST_AXIS",
-    "QuantizedState",
-    "check_int8_format",
-    "compress",
-    "decompress",
-    "dequantize_int8",
-    "quantize_int8",
-    "quantized_state",
-    "stored_fraction",
-]
+__all__ = ["CODECS", "QuantizedState", "compress", "decompress", "quantized_state", "stored_fraction"]

@@ -123,17 +123,57 @@ def test_the_public_face_imports_only_the_private_modules_and_nothing_imports_th
         )
 
 
-def test_examples_import_only_the_public_face() -> None:
-    examples = PACKAGE.parent / "examples"
-    for path in examples.glob("*.py"):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        internal = {m for m in modules if m.startswith("jax_mlp.") and m not in ("jax_mlp.quantized", "jax_mlp.report")}
-        assert not internal, f"examples/{path.name} imports {internal}; use the names jax_mlp exports"
-        text = path.read_text(encoding="utf-8")
-        attributes = set(re.findall(r"\bjax_mlp\.([a-z_]+)\.", text)) - {"quantized", "report"}
-        assert not attributes, f"examples/{path.name} reaches into jax_mlp.{attributes}"
+PUBLIC_MODULES = ("jax_mlp", "jax_mlp.quantized", "jax_mlp.report")
+SCRIPTS = sorted([*(PACKAGE.parent / "examples").glob("*.py"), *(PACKAGE.parent / "benchmarks").rglob("*.py")])
+
+
+def _jax_mlp_names(node: ast.AST) -> set[str]:
+    """The names under ``jax_mlp`` one AST node reaches: an import, a module path in a string, an attribute."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and node.module == "jax_mlp":  # from jax_mlp import _src
+        return {f"jax_mlp.{alias.name}" for alias in node.names if alias.name not in jax_mlp.__all__}
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return {node.module}
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"jax_mlp(\.\w+)+", node.value):
+        return {node.value}  # importlib.import_module("jax_mlp._src...")
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "jax_mlp":
+        return set() if node.attr in jax_mlp.__all__ or node.attr.startswith("__") else {f"jax_mlp.{node.attr}"}
+    return set()
+
+
+def _private_reaches(source: str) -> set[str]:
+    """What ``source`` reaches of jax_mlp beyond its public face (``jax_mlp``'s ``__all__`` and its two namespaces)."""
+    reached = set().union(*(_jax_mlp_names(node) for node in ast.walk(ast.parse(source))))
+    return {name for name in reached if name.startswith("jax_mlp.") and name not in PUBLIC_MODULES}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from jax_mlp._src.storage import record",
+        "import jax_mlp._src.stats as stats",
+        "from jax_mlp import _src",
+        "import importlib\nimportlib.import_module('jax_mlp._src.storage.record')",
+        "import jax_mlp\njax_mlp._src.stats.UpdateStats",
+        "import jax_mlp\nconfig = jax_mlp.config",
+    ],
+)
+def test_reaching_past_the_public_face_is_found(source: str) -> None:
+    assert _private_reaches(source)
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda path: str(path.relative_to(PACKAGE.parent)))
+def test_examples_and_benchmarks_import_only_the_public_face(path: Path) -> None:
+    """Examples and benchmarks use what a user can: ``jax_mlp`` (its ``__all__``), its two namespaces, the command."""
+    reached = _private_reaches(path.read_text(encoding="utf-8"))
+    assert not reached, f"{path.relative_to(PACKAGE.parent)} reaches {reached}; use the names jax_mlp exports"
+
+
+def test_the_public_face_passes_the_check() -> None:
+    public = "import jax_mlp\nfrom jax_mlp import mlp_offload\nfrom jax_mlp.quantized import CODECS\n"
+    assert not _private_reaches(public + "jax_mlp.report.load_log, jax_mlp.__file__, jax_mlp.OffloadError")
+    assert len(SCRIPTS) > 20 and any(path.parent.name == "gpu" for path in SCRIPTS)
 
 
 def test_help_explains_every_parameter_of_mlp_offload():

@@ -18,6 +18,7 @@ import pytest
 
 import jax_mlp
 from jax_mlp import report
+from jax_mlp._src.cli import plots
 from jax_mlp._src.schedule.estimates import WINDOW, PathEstimate
 from jax_mlp._src.schedule.performance import PathSpeed
 from jax_mlp._src.schedule.scheduler import FALLBACK, HOLD, Measured, Scheduler, weighted_interleave
@@ -374,8 +375,8 @@ def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path)
     assert estimate[str(tmp_path / "slow")]["write"] <= 4e6 * 1.05
     figure = report.make_figure(report.load_log(log))
     titles = [ax.get_title() for ax in figure.axes]
-    assert any(title.startswith(f"{report.PLACEMENT} ({scheduler.moves} moved in") for title in titles), titles
-    assert any(title.startswith(f"{report.THROUGHPUT} (estimated read/write MB/s: p0 ") for title in titles), titles
+    assert any(title.startswith(f"{plots.PLACEMENT} ({scheduler.moves} moved in") for title in titles), titles
+    assert any(title.startswith(f"{plots.THROUGHPUT} (estimated read/write MB/s: p0 ") for title in titles), titles
 
 
 @pytest.mark.parametrize("pair", [(NVME, PFS), (KERNEL_NVME, KERNEL_PFS)], ids=["bursts", "kernel-like-bursts"])

@@ -4,6 +4,7 @@ sizes a whole run, never crashes, and starts from the library's own defaults.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -139,6 +140,38 @@ def test_each_section_of_a_small_run_equals_the_hand_computed_figures(capsys):
     assert figure(out, "step, split") == plan_tables.format_seconds(0.01 + update)
 
 
+def test_json_holds_the_figures_of_the_tables(capsys):
+    args = ["--params", "1M", "--master", "--subgroup-size", "1MiB", "--paths", "nvme=1GB/s:500MB/s", "pfs=200MB/s"]
+    args += ["--host-cache", "4MiB", "--compute-s", "0.01", "--processes-per-node", "2"]
+    out = plan(capsys, *args)
+    figures = json.loads(plan(capsys, *args, "--json"))
+    update, step = figures["update"], figures["step"]
+    assert plan_tables.format_seconds(update["seconds"]) == figure(out, "update")
+    assert format_bytes(update["bytes_read"]) == figure(out, "read during the update")
+    assert format_bytes(update["idle_write_bytes"]) == figure(out, "written back from the cache")
+    assert plan_tables.format_seconds(step["overlapped_s"]) == figure(out, "step, overlapped")
+    assert format_bytes(figures["device"]["fused_apply"]) == figure(out, "update adds, fused apply")
+    assert format_bytes(figures["host"]["total"]) == figure(out, "total")
+    assert f"{figures['records']} records of {format_bytes(figures['record_bytes'])} per process" in out
+    for path in figures["paths"]:
+        row = next(line for line in out.splitlines() if line.startswith(f"{path['name']} "))
+        assert (
+            row.split()[1] == f"{path['share']:.1%}"
+            and row.split()[-3:-1] == format_bytes(path["needs_per_node"]).split()
+        )
+    assert [m["name"] for m in figures["mechanisms"]] == [v.name for v in ABLATION]
+    assert figures["mechanisms"][-1]["seconds"] == update["seconds"]
+    assert figures["mechanisms"][0]["multipath"] is False and len(figures["mechanisms"][0]["bytes_read"]) == 1
+
+
+def test_update_compute_s_replaces_the_link_floor(capsys):
+    whole = ["--params", "7e9", "--paths", "nvme=5GB/s", "--nodes", "8", "--host-cache", "64GiB", "--json"]
+    floor = json.loads(plan(capsys, *whole))["update"]
+    assert floor["seconds"] == floor["link_floor_s"] > 0  # every record cached: the update is its compute
+    given = json.loads(plan(capsys, *whole, "--update-compute-s", "3"))["update"]
+    assert given["seconds"] == 3.0 and given["link_floor_s"] == floor["link_floor_s"]
+
+
 def test_a_bf16_master_is_planned_whole_unless_stored_as_its_remainder(capsys):
     common = ["--params", "1M", "--master", "--paths", "nvme=5GB/s"]
     assert "1e+06 params, 12 B of offloaded state each" in plan(capsys, *common)
@@ -186,6 +219,9 @@ def test_directories_in_paths_are_probed_like_jax_mlp_probe(tmp_path, capsys):
         assert row.split()[-1] == "GiB", row  # its free space: a directory here
         assert not os.path.exists(directory / PROBE_DIRECTORY)
     assert any(line.startswith("pfs ") for line in out.splitlines())
+    assert cli.main(["plan", "--params", "1M", "--paths", str(fast), "--probe-size", "2MiB", "--json"]) == 0
+    printed = capsys.readouterr()  # with --json, stdout is the JSON alone; the probe's line goes to stderr
+    assert json.loads(printed.out)["paths"][0]["name"] == str(fast) and f"probed {fast}: read " in printed.err
 
 
 def test_rates_are_read_first_in_probe_and_in_plan(tmp_path, capsys):
@@ -201,6 +237,17 @@ def test_rates_are_read_first_in_probe_and_in_plan(tmp_path, capsys):
     assert speed == PathSpeed(str(tmp_path), read, write, 0.0 if duplex else 1.0)
 
 
+def test_probe_json_holds_each_paths_measurement_free_space_and_need(tmp_path, capsys):
+    args = ["probe", str(tmp_path), "--size", "2MiB", "--record", "1MiB", "--json"]
+    assert cli.main(args) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["path"] == str(tmp_path) and row["nbytes"] == 2 * (HEADER_SIZE + MiB) and 0 <= row["serial"] <= 1
+    assert row["read_bandwidth"] > 0 and row["write_bandwidth"] > 0 and row["free"] > 0 and row["needs"] is None
+    assert cli.main([*args, "--state", "4MiB", "--subgroup-size", "1MiB"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["needs"] >= 2 * 4 * MiB  # two slots of each record
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -210,6 +257,7 @@ def test_rates_are_read_first_in_probe_and_in_plan(tmp_path, capsys):
         (["--params", "1B", "--tflops", "300"], "--tokens-per-step"),
         (["--params", "1B", "--tflops", "300", "--compute-s", "1"], "not both"),
         (["--params", "1B", "--paths", "/no/such/dir"], "neither a directory here nor NAME=RATE"),
+        (["--params", "1B", "--update-compute-s", "-1"], "--update-compute-s must not be negative"),
     ],
 )
 def test_mistakes_are_one_line_and_status_2(args, message, capsys):

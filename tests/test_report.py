@@ -16,6 +16,7 @@ from helpers import grads_at, make_params, train
 import jax_mlp
 from jax_mlp import report
 from jax_mlp._src.cli import main as cli
+from jax_mlp._src.cli import plots
 from jax_mlp._src.stats import busy_seconds
 
 STEPS = 6
@@ -77,14 +78,14 @@ def test_report_figure_has_the_panels_and_the_png_is_valid(run, tmp_path, capsys
     log, _, paths = run
     figure = report.make_figure(report.load_log(log))
     titles = [ax.get_title() for ax in figure.axes]
-    for panel in report.PANELS:
+    for panel in plots.PANELS:
         assert sum(title.startswith(panel) for title in titles) == 1, (panel, titles)
-    assert all(title.startswith((*report.PANELS, report.BETWEEN)) for title in titles), titles
+    assert all(title.startswith((*plots.PANELS, plots.BETWEEN)) for title in titles), titles
 
     def panel(name):
         return next(ax for ax in figure.axes if ax.get_title().startswith(name))
 
-    timeline, throughput, placement = panel(report.TIMELINE), panel(report.THROUGHPUT), panel(report.PLACEMENT)
+    timeline, throughput, placement = panel(plots.TIMELINE), panel(plots.THROUGHPUT), panel(plots.PLACEMENT)
     assert f"step {STEPS}" in timeline.get_title()
     lanes = timeline.yaxis.get_major_formatter().format_ticks(timeline.get_yticks())
     assert lanes == ["read p0", "read p1", "compute", "write p0", "write p1"]

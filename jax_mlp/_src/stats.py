@@ -73,6 +73,15 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
 
 _NO_PLACEMENT: Mapping[str, int] = MappingProxyType({})
 
+BYTES = {"read": "bytes_read", "write": "bytes_written"}
+"""Per transfer kind, the field of :class:`UpdateStats` that counts its bytes on each path."""
+BUSY = {"read": "read_busy_s", "write": "write_busy_s"}
+"""Per transfer kind, the name of the seconds a path spent on it (:meth:`UpdateStats.busy_s`)."""
+PER_PATH = (*BYTES.values(), *BUSY.values(), "placement")
+"""The figures :meth:`UpdateStats.as_dict` gives per path, keyed ``<name>[<path>]``: every ``log_to`` line has them."""
+LOG_REQUIRED = ("step", "seconds", "read_wait_s", "compute_s", "write_wait_s", "cache_hits", "cache_misses", "paths")
+"""The other keys of a ``log_to`` line (:func:`log_line`) that reading it back (``jax-mlp report``) needs."""
+
 
 class UpdateStats(NamedTuple):
     """Statistics of one ``update`` (or of ``init``, at step 0).
@@ -146,6 +155,12 @@ class UpdateStats(NamedTuple):
         """Seconds during which ``path`` was doing at least one transfer of ``kind`` (read or write)."""
         return busy_seconds((e.start, e.end) for e in self.events if e.kind == kind and e.path == path)
 
+    def _per_path(self, path: str) -> dict[str, float]:
+        """The figures of one path, by the names of :data:`PER_PATH`."""
+        moved = {name: getattr(self, name)[path] for name in BYTES.values()}
+        busy = {name: self.busy_s(kind, path) for kind, name in BUSY.items()}
+        return {**moved, **busy, "placement": self.placement.get(path, 0)}
+
     def as_dict(self) -> dict[str, Any]:
         """A flat dict of numbers, ready for a metrics logger, with ``bytes_read[<path>]`` style keys for per-path figures.
 
@@ -157,11 +172,7 @@ class UpdateStats(NamedTuple):
         flat: dict[str, Any] = {k: v for k, v in self._asdict().items() if not isinstance(v, (Mapping, tuple, str))}
         flat["pinned_transfer"] = int(self.transfer == "pinned")
         for path in self.paths:
-            flat[f"bytes_read[{path}]"] = self.bytes_read[path]
-            flat[f"bytes_written[{path}]"] = self.bytes_written[path]
-            flat[f"read_busy_s[{path}]"] = self.busy_s("read", path)
-            flat[f"write_busy_s[{path}]"] = self.busy_s("write", path)
-            flat[f"placement[{path}]"] = self.placement.get(path, 0)
+            flat.update({f"{name}[{path}]": value for name, value in self._per_path(path).items()})
         for leaf, subgroup in self.whole_leaf_subgroups.items():
             flat[f"whole_leaf_subgroups[{leaf}]"] = subgroup
         return flat

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import math
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -86,10 +89,20 @@ def _compute(args: argparse.Namespace, work: Workload) -> Compute:
     return Compute(seconds, source, tokens)
 
 
+def _update_compute(args: argparse.Namespace, work: Workload, link: float) -> float:
+    """The update's own time with no storage I/O: given (``--update-compute-s``), else the link floor."""
+    if args.update_compute_s is None:
+        return link_seconds(work, link)
+    if args.update_compute_s < 0:
+        raise UsageError(f"--update-compute-s must not be negative, got {args.update_compute_s}")
+    return args.update_compute_s
+
+
 def handle(args: argparse.Namespace) -> int:
     """``jax-mlp plan``: sizes a run: device memory, host RAM, disk, and the update's and step's time."""
     work = _workload(args)
-    speeds = path_speeds(args.paths, parse_size(args.probe_size, name="--probe-size"))
+    say = functools.partial(print, file=sys.stderr) if args.json else print  # --json keeps stdout to the JSON
+    speeds = path_speeds(args.paths, parse_size(args.probe_size, name="--probe-size"), say)
     cache = parse_size(args.host_cache, name="--host-cache") / work.processes_per_node
     compute = _compute(args, work)
     link = rate(args.link, "--link")
@@ -101,17 +114,22 @@ def handle(args: argparse.Namespace) -> int:
         cache_bytes=cache,
         processes_per_node=work.processes_per_node,
         contention=args.contention,
-        compute_seconds=link_seconds(work, link),
+        compute_seconds=_update_compute(args, work, link),
         prefetch_depth=work.prefetch_depth,
         write_back=args.flush == "idle",
     )
-    full = predict_variant(ABLATION[-1], speeds, idle_seconds=idle, **common)
+    variants = [predict_variant(variant, speeds, idle_seconds=idle, **common) for variant in ABLATION]
+    full = variants[-1]
     steps = None
     if compute.seconds is not None:
         steps = tuple(
             predict_variant_step(ABLATION[-1], speeds, forward_backward_seconds=idle, overlapped=o, **common)
             for o in (False, True)
         )
+    if args.json:
+        mechanisms = list(zip(ABLATION, variants, strict=True))
+        print(json.dumps(plan_tables.figures(work, speeds, cache, link, compute, mechanisms, steps, trips), indent=1))
+        return 0
     print(
         f"{work.params:.3g} params, {work.state_bytes_per_param:.3g} B of offloaded state each: "
         f"{format_bytes(work.state_bytes)} per process, {work.nodes} node(s), {work.processes_per_node} process(es) "
@@ -130,10 +148,10 @@ def handle(args: argparse.Namespace) -> int:
     plan_tables.print_paths(speeds, work, full)
     plan_tables.print_update(args, work, full, link)
     plan_tables.print_step(compute, full, steps, trips)
-    baseline = predict_variant(ABLATION[0], speeds, idle_seconds=idle, **common).seconds
+    baseline = variants[0].seconds
     print(f"{'mechanisms':<22} {'update':>10} {'vs baseline':>12}")
-    for variant in ABLATION:
-        seconds = predict_variant(variant, speeds, idle_seconds=idle, **common).seconds
+    for variant, prediction in zip(ABLATION, variants, strict=True):
+        seconds = prediction.seconds
         print(
             f"{variant.name:<22} {plan_tables.format_seconds(seconds):>10} {plan_tables.ratio(baseline, seconds):>12}"
         )
@@ -166,6 +184,7 @@ COMMAND = Command(
         "      --host-cache 1TiB --host-memory 2TB --device-memory 80GB --tflops 989 --tokens-per-step 4M\n"
         "  jax-mlp plan --params 7e9 --master --paths /local/nvme/run1 /lustre/proj/run1 --compute-s 4\n"
         "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --master --state-codec int8\n"
+        "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --compute-s 4 --json\n"
         "  jax-mlp plan --params 70B --master --params-in host --layers 80 --processes-per-node 4 \\\n"
         "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --device-memory 40GB"
     ),
@@ -278,6 +297,13 @@ COMMAND = Command(
         ),
         argument("--compute-s", type=float, default=None, help="seconds of one step's forward and backward"),
         argument(
+            "--update-compute-s",
+            type=float,
+            default=None,
+            help="seconds of one update with no storage I/O, e.g. measured with the whole state in the host cache "
+            "(default: the link floor, the state crossing --link)",
+        ),
+        argument(
             "--tflops",
             type=float,
             default=0,
@@ -290,5 +316,6 @@ COMMAND = Command(
             default=0.4,
             help="the fraction of the peak the forward and backward reach (default: %(default)s)",
         ),
+        argument("--json", action="store_true", help="print the same figures as one JSON object, unrounded"),
     ),
 )

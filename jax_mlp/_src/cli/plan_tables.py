@@ -1,4 +1,4 @@
-"""The tables ``jax-mlp plan`` prints: per device, per node, per path, per update and per step."""
+"""The tables ``jax-mlp plan`` prints: per device, per node, per path, per update and per step; or their figures as JSON."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from jax_mlp._src.cli.sizing import PROCESS_BYTES, Compute, Workload, device_memory, host_memory, link_seconds
 from jax_mlp._src.cli.speeds import path_needs, record_sizes
 from jax_mlp._src.parsing import format_bytes, parse_size
-from jax_mlp._src.schedule.performance import PathSpeed, Prediction
+from jax_mlp._src.schedule.performance import PathSpeed, Prediction, Variant
 from jax_mlp._src.storage import capacity, local
 from jax_mlp._src.storage.buffers import POOL_BYTES
 
@@ -111,10 +111,15 @@ def print_host(args: argparse.Namespace, work: Workload, cache: float) -> None:
     print()
 
 
+def _needs(speeds: Sequence[PathSpeed], work: Workload) -> list[int]:
+    """The room each path needs for its share of one process's records."""
+    return path_needs(speeds, record_sizes(work.state_bytes, work.subgroup_bytes), [capacity.BLOCK] * len(speeds))
+
+
 def print_paths(speeds: Sequence[PathSpeed], work: Workload, full: Prediction) -> None:
     """Per path: its share, the bytes it moves per update, its busy time, the room it needs and has."""
     processes_per_node = work.processes_per_node
-    needs = path_needs(speeds, record_sizes(work.state_bytes, work.subgroup_bytes), [capacity.BLOCK] * len(speeds))
+    needs = _needs(speeds, work)
     print(
         f"{'path':<12} {'share':>7} {'read/update':>14} {'written/update':>15} {'busy':>10} {'needs/node':>12} "
         f"{'free':>12}"
@@ -188,3 +193,77 @@ _STEPS = (
     ("step, split", "the update after the forward and backward"),
     ("step, overlapped", "offload.overlap: the update streams during the backward"),
 )
+
+
+def figures(
+    work: Workload,
+    speeds: Sequence[PathSpeed],
+    cache: float,
+    link: float,
+    compute: Compute,
+    mechanisms: Sequence[tuple[Variant, Prediction]],
+    steps: tuple[float, float] | None,
+    trips: float,
+) -> dict:
+    """The figures of every table, unrounded, for ``jax-mlp plan --json``: bytes, seconds and bytes/s.
+
+    ``mechanisms`` is each ablation variant with its prediction, the last one (``full``) the run's; ``steps``
+    and ``trips`` are as for :func:`print_step`.
+    """
+    full = mechanisms[-1][1]
+    host = host_memory(work, cache)
+    paths = [
+        {
+            "name": speed.name,
+            "read_bandwidth": speed.read_bandwidth,
+            "write_bandwidth": speed.write_bandwidth,
+            "serial": speed.serial,
+            "share": share,
+            "bytes_read": read,
+            "bytes_written": written,
+            "busy_s": busy,
+            "needs_per_node": need * work.processes_per_node,
+        }
+        for speed, share, read, written, busy, need in zip(
+            speeds,
+            full.shares,
+            full.bytes_read,
+            full.bytes_written,
+            full.path_seconds,
+            _needs(speeds, work),
+            strict=True,
+        )
+    ]
+    return {
+        "params": work.params,
+        "state_bytes": work.state_bytes,
+        "records": work.num_records,
+        "record_bytes": work.record_bytes,
+        "cache_bytes": cache,
+        "device": device_memory(work)._asdict(),
+        "host": {**host._asdict(), "total": host.total},
+        "paths": paths,
+        "update": {
+            "seconds": full.seconds,
+            "bytes_read": sum(full.bytes_read),
+            "bytes_written": sum(full.bytes_written),
+            "idle_write_bytes": full.idle_write_bytes,
+            "idle_io_s": full.idle_io_seconds,
+            "link_floor_s": link_seconds(work, link),
+        },
+        "step": {
+            "forward_backward_s": compute.seconds,
+            "params_link_s": trips,
+            "split_s": None if steps is None else steps[0],
+            "overlapped_s": None if steps is None else steps[1],
+        },
+        "mechanisms": [
+            {
+                **variant._asdict(),
+                "seconds": prediction.seconds,
+                "bytes_read": list(prediction.bytes_read),
+                "bytes_written": list(prediction.bytes_written),
+            }
+            for variant, prediction in mechanisms
+        ],
+    }

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from matplotlib.figure import Figure
 
-from jax_mlp._src.stats import EVENT_KINDS, IOEvent
+from jax_mlp._src.stats import BUSY, BYTES, EVENT_KINDS, LOG_REQUIRED, PER_PATH, IOEvent
 
 TIMELINE = "Timeline of one update"
 TIME_PER_UPDATE = "Time per update"
@@ -25,9 +25,6 @@ PLACEMENT = "Placement: subgroups per path"
 CACHE = "Host cache"
 PANELS = (TIMELINE, TIME_PER_UPDATE, THROUGHPUT, PLACEMENT, CACHE)
 BETWEEN = "Between updates"
-_REQUIRED = ("step", "seconds", "read_wait_s", "compute_s", "write_wait_s", "cache_hits", "cache_misses", "paths")
-_PER_PATH = ("bytes_read", "bytes_written", "read_busy_s", "write_busy_s", "placement")
-_BYTES = {"read": "bytes_read", "write": "bytes_written"}
 
 
 class LogError(ValueError):
@@ -47,7 +44,7 @@ class Update(NamedTuple):
       cache_misses: subgroups read from a path.
       paths: the storage paths, in order.
       per_path: for each of ``bytes_read``, ``bytes_written``, ``read_busy_s``, ``write_busy_s`` and
-        ``placement``, the value per path.
+        ``placement`` (the writer's ``stats.PER_PATH``), the value per path.
       events: the timed reads, computes and writes, relative to the start of the call.
       bandwidth: the scheduler's estimate per path after the call (``{"read": bytes/s, "write": bytes/s}``:
         declared, probed, capped or measured while running), if the log has one.
@@ -73,11 +70,11 @@ class Update(NamedTuple):
 def _parse_line(line: Any, where: str) -> Update:
     if not isinstance(line, dict):
         raise LogError(f"{where} is not a JSON object")
-    missing = [key for key in _REQUIRED if key not in line]
+    missing = [key for key in LOG_REQUIRED if key not in line]
     paths = line.get("paths", [])
     if not isinstance(paths, list):
         raise LogError(f"{where} has 'paths' {paths!r}, not a list of paths")
-    missing += [f"{name}[{path}]" for name in _PER_PATH for path in paths if f"{name}[{path}]" not in line]
+    missing += [f"{name}[{path}]" for name in PER_PATH for path in paths if f"{name}[{path}]" not in line]
     if missing:
         raise LogError(
             f"{where} lacks {', '.join(repr(m) for m in missing[:3])}: it is not a line written by "
@@ -93,7 +90,7 @@ def _parse_line(line: Any, where: str) -> Update:
             cache_hits=int(line["cache_hits"]),
             cache_misses=int(line["cache_misses"]),
             paths=list(paths),
-            per_path={name: {path: float(line[f"{name}[{path}]"]) for path in paths} for name in _PER_PATH},
+            per_path={name: {path: float(line[f"{name}[{path}]"]) for path in paths} for name in PER_PATH},
             events=[
                 IOEvent(kind, None if index is None else paths[index], int(subgroup), float(start), float(end))
                 for kind, index, subgroup, start, end in line.get("events", [])
@@ -257,8 +254,7 @@ def _draw_throughput(ax: Any, updates: Sequence[Update]) -> None:
     for i, path in enumerate(paths):
         for kind, style in (("read", "-"), ("write", ":")):
             rates = [
-                _rate(u.per_path[_BYTES[kind]].get(path, 0.0), u.per_path[f"{kind}_busy_s"].get(path, 0.0))
-                for u in updates
+                _rate(u.per_path[BYTES[kind]].get(path, 0.0), u.per_path[BUSY[kind]].get(path, 0.0)) for u in updates
             ]
             estimates = [u.bandwidth.get(path, {}).get(kind, float("nan")) / 1e6 for u in updates]
             known = [e for e in estimates if e == e]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from jax_mlp._src.cli.command import DEFAULTS, Command, argument
 from jax_mlp._src.cli.speeds import (
@@ -32,6 +33,14 @@ def handle(args: argparse.Namespace) -> int:
         )
         blocks = [capacity.BLOCK if room is None else room.block for room in rooms]
         needs = path_needs([measured_speed(r) for r in results], records, blocks)
+    if args.json:  # one object per path: the measurement, its free space (None for a store) and its need
+        frees = [None if room is None else room.free for room in rooms]
+        rows = [
+            {**r._asdict(), "free": free, "needs": needs[i] if needs else None}
+            for i, (r, free) in enumerate(zip(results, frees, strict=True))
+        ]
+        print(json.dumps(rows, indent=1))
+        return 0
     print(
         f"{'path':<40} {'read':>12} {'write':>12} {'both at once':>14} {'free':>12}"
         + (f" {'needs':>12}" if needs else "")
@@ -80,7 +89,8 @@ COMMAND = Command(
         "example:\n"
         "  jax-mlp probe /local/nvme/run1 /lustre/proj/run1\n"
         "  jax-mlp probe /local/nvme/run1 --size 1GiB --record 64MiB\n"
-        "  jax-mlp probe /local/nvme/run1 /lustre/proj/run1 --state 80GiB"
+        "  jax-mlp probe /local/nvme/run1 /lustre/proj/run1 --state 80GiB\n"
+        "  jax-mlp probe /local/nvme/run1 --json"
     ),
     arguments=(
         argument(
@@ -101,5 +111,6 @@ COMMAND = Command(
             default=DEFAULTS["subgroup_size"],
             help="bytes per subgroup, with --state (default: OffloadConfig's, %(default)s)",
         ),
+        argument("--json", action="store_true", help="print the same figures as JSON, one object per path, unrounded"),
     ),
 )

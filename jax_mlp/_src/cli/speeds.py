@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jax_mlp._src.cli.command import UsageError, rate
 from jax_mlp._src.cli.sizing import records
@@ -62,10 +62,10 @@ def declared_speed(item: str) -> PathSpeed:
     return PathSpeed(name, rate(read, f"{name} read"), rate(write or read, f"{name} write"), serial)
 
 
-def path_speeds(entries: Sequence[str], probe_bytes: int) -> list[PathSpeed]:
+def path_speeds(entries: Sequence[str], probe_bytes: int, say: Callable[[str], None] = print) -> list[PathSpeed]:
     """The speed of each ``--paths`` entry: a directory here or a store is probed; ``NAME=READ:WRITE`` entries are read.
 
-    An entry that is not a directory may list several paths, comma-separated.
+    An entry that is not a directory may list several paths, comma-separated. ``say`` reports each probe.
     """
     speeds = []
     for entry in entries:
@@ -73,7 +73,7 @@ def path_speeds(entries: Sequence[str], probe_bytes: int) -> list[PathSpeed]:
             if os.path.isdir(item) or is_store(item):
                 result = probe_location(item, probe_bytes, min(parse_size(PROBE_RECORD), probe_bytes), PROBE_INFLIGHT)
                 read, write = result.read_bandwidth / 1e6, result.write_bandwidth / 1e6
-                print(f"probed {result.path}: read {read:.0f} MB/s, write {write:.0f} MB/s")
+                say(f"probed {result.path}: read {read:.0f} MB/s, write {write:.0f} MB/s")
                 speeds.append(measured_speed(result))
             else:
                 speeds.append(declared_speed(item))

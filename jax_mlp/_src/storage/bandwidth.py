@@ -119,24 +119,6 @@ def probe(
     return ProbeResult(path.name, nbytes / read, nbytes / written, nbytes, min(1.0, max(0.0, serial)))
 
 
-def transfer_seconds(
-    path: Path, *, read_bytes: int, write_bytes: int, record_bytes: int = 16 * 1024**2, inflight: int = 4
-) -> float:
-    """Seconds a path takes to read ``read_bytes`` and write ``write_bytes`` at once, in records like training's.
-
-    The records to read are written first and dropped from the page cache; only the two directions
-    together are timed, each with ``inflight`` records in flight (what an update moves: its reads and writes).
-    """
-    store = _open_scratch(path, 2 * inflight)
-    record = _records(record_bytes)
-    reads = max(1, read_bytes // record_bytes)
-    try:
-        _timed([lambda k=k: store.write(k, 0, record) for k in range(reads)], inflight)
-        return _both_at_once(path, store, reads, max(1, write_bytes // record_bytes), record, inflight)
-    finally:
-        store.remove()
-
-
 def _drop(path: Path, store: Any) -> None:
     """Drops a local path's records from the page cache, so the next reads come from the device."""
     if not isinstance(path.location, dict):
