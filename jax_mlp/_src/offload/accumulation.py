@@ -11,50 +11,44 @@ from __future__ import annotations
 
 import jax
 
-from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.offload import window as windows
 from jax_mlp._src.offload.inputs import bare_treedef
-from jax_mlp._src.offload.overlap import Overlap
-from jax_mlp._src.offload.route import Call, Outcome
+from jax_mlp._src.offload.route import Call, Outcome, Parts
 from jax_mlp._src.offload.split import SplitRoute
-from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import update_dtype
 from jax_mlp._src.state import OffloadState
-from jax_mlp._src.stream.state_stream import StateStream
 
 
 class AccumulationRoute:
     """The eager calls of one offload's accumulation windows.
 
     Args:
-      config: the offload's options (``accumulate_steps``, ``accumulator_dtype``).
-      plan: the subgroups.
-      stream: the offloaded state.
-      overlap: the update the backward of a window's last call may start.
+      parts: what the offload's routes are built from.
       split: the route a window's last call takes, with the mean.
     """
 
-    def __init__(self, config: OffloadConfig, plan: Plan, stream: StateStream, overlap: Overlap, split: SplitRoute):
-        self._config, self._plan, self._stream, self._overlap, self._split = config, plan, stream, overlap, split
+    def __init__(self, parts: Parts, split: SplitRoute):
+        self._parts, self._split = parts, split
 
     def run(self, call: Call) -> Outcome:
         """Folds the call's grads in; the window's last call streams their mean."""
-        config, state = self._config, call.state
+        parts, state = self._parts, call.state
+        config, plan = parts.config, parts.plan
         window = windows.Window(state.mini_step, jax.tree_util.tree_leaves(state.acc_grads))
         means, carried = windows.add(call.grads, window, config.accumulator_dtype)
         expect = None
         if int(window.mini_step) < config.accumulate_steps - 1:
-            self._overlap.settle()
-            self._stream.check_step(int(state.step))
-            self._stream.use_idle_window()
-            dtypes = tuple(update_dtype(self._plan, i) for i in range(len(self._plan.leaves)))
+            parts.overlap.settle()
+            parts.stream.check_step(int(state.step))
+            parts.stream.use_idle_window()
+            dtypes = tuple(update_dtype(plan, i) for i in range(len(plan.leaves)))
             leaves, step, shared = windows.zero_updates(call.grads, dtypes), state.step, call.shared
             if int(carried.mini_step) == config.accumulate_steps - 1:  # the next grads complete the window
-                expect = self._overlap.basis(call.grads, shared, carried)
+                expect = parts.overlap.basis(call.grads, shared, carried)
             window = carried
         else:
             leaves, streamed = self._split.stream(call, means)
             step, shared = streamed.step, streamed.shared
             window = windows.empty_window(carried.acc_grads, config.accumulator_dtype)
-        acc_grads = jax.tree_util.tree_unflatten(bare_treedef(self._plan.treedef), window.acc_grads)
+        acc_grads = jax.tree_util.tree_unflatten(bare_treedef(plan.treedef), window.acc_grads)
         return Outcome(leaves, call.grads_tree, OffloadState(step, shared, window.mini_step, acc_grads), expect)

@@ -13,38 +13,21 @@ import jax.numpy as jnp
 
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import inputs
-from jax_mlp._src.offload.overlap import Overlap
-from jax_mlp._src.offload.route import Call, Calls, Outcome
-from jax_mlp._src.plan.partition import Plan
-from jax_mlp._src.plan.sharding import LeafSharding
+from jax_mlp._src.offload.route import Call, Outcome, Parts
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stream.blocks import Blocks, NewParams
-from jax_mlp._src.stream.state_stream import LATE_PUT, StateStream
+from jax_mlp._src.stream.state_stream import LATE_PUT
 
 
 class FusedRoute:
     """The fused ``apply`` of one offload.
 
     Args:
-      calls: the offload's call checks (for the uniform values).
-      plan: the subgroups.
-      sharding: each leaf's sharding and owned shards.
-      stream: the offloaded state.
-      overlap: the update the backward may have started (undone here).
-      accumulate_steps: the offload's window; ``apply`` refuses to accumulate.
+      parts: what the offload's routes are built from.
     """
 
-    def __init__(
-        self,
-        calls: Calls,
-        plan: Plan,
-        sharding: LeafSharding,
-        stream: StateStream,
-        overlap: Overlap,
-        accumulate_steps: int,
-    ):
-        self._calls, self._plan, self._sharding, self._stream = calls, plan, sharding, stream
-        self._overlap, self._accumulate_steps = overlap, accumulate_steps
+    def __init__(self, parts: Parts):
+        self._parts = parts
 
     def run(self, call: Call) -> Outcome:
         """The new params, written over the donated ones, and the new handle.
@@ -52,17 +35,19 @@ class FusedRoute:
         Raises:
           OffloadError: no params, accumulation, a traced call, or an array given twice among params and grads.
         """
-        _refuse(call, self._accumulate_steps)
-        inputs.check_distinct(self._plan, call.grads, call.params)
-        uniform, new_shared = self._calls.uniform(call)
-        notes = self._overlap.abandon("apply runs the update itself, from the params it donates")
-        blocks = Blocks.of(self._plan, self._sharding, call.grads, None, uniform)
-        results = NewParams(self._plan, self._sharding.block_map(call.params), call.grads, blocks.grads)
-        updated = self._stream.advance(int(call.state.step), blocks, LATE_PUT, results, notes)
-        new_leaves = self._sharding.assemble(self._plan, updated)
+        parts = self._parts
+        plan, sharding = parts.plan, parts.sharding
+        _refuse(call, parts.config.accumulate_steps)
+        inputs.check_distinct(plan, call.grads, call.params)
+        uniform, new_shared = parts.calls.uniform(call)
+        notes = parts.overlap.abandon("apply runs the update itself, from the params it donates")
+        blocks = Blocks.of(plan, sharding, call.grads, None, uniform)
+        results = NewParams(plan, sharding.block_map(call.params), call.grads, blocks.grads)
+        updated = parts.stream.advance(int(call.state.step), blocks, LATE_PUT, results, notes)
+        new_leaves = sharding.assemble(plan, updated)
         for leaf in call.params:  # the replicas an owner's new block was copied to
             leaf.delete()
-        state = OffloadState(jnp.asarray(self._stream.step, jnp.int32), new_shared)
+        state = OffloadState(jnp.asarray(parts.stream.step, jnp.int32), new_shared)
         return Outcome(new_leaves, call.params_tree, state, None)
 
 

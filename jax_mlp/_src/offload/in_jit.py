@@ -28,18 +28,15 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
-from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import window
-from jax_mlp._src.offload.overlap import Overlap
-from jax_mlp._src.offload.route import Call, Calls, Outcome
+from jax_mlp._src.offload.route import Call, Outcome, Parts
 from jax_mlp._src.plan.callback_layout import CallbackLayout, device_index
-from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import Uniform, update_dtype
-from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey, LeafSharding
+from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stream.blocks import Blocks, Staging
-from jax_mlp._src.stream.state_stream import IN_CALLBACK, StateStream
+from jax_mlp._src.stream.state_stream import IN_CALLBACK
 
 logger = logging.getLogger(__name__)
 
@@ -144,35 +141,21 @@ class JitRoute:
     """The in-jit route of one offloader: :meth:`run` is what ``update`` becomes when traced.
 
     Args:
-      calls: the offload's call checks (for the uniform values).
-      config: the offload's options.
-      plan: the subgroups.
-      sharding: the leaves' shardings and owned shards.
+      parts: what the offload's routes are built from; its stream runs each step's update on the host CPU device.
       layout: where the params live for host callbacks, or None where they cannot be mapped.
       unusable: why there is no layout.
-      stream: runs each step's update, on the host CPU device.
-      overlap: the update a backward may have started (undone here: none runs inside jit).
     """
 
-    def __init__(
-        self,
-        calls: Calls,
-        config: OffloadConfig,
-        plan: Plan,
-        sharding: LeafSharding,
-        layout: CallbackLayout | None,
-        unusable: str | None,
-        stream: StateStream,
-        overlap: Overlap,
-    ):
-        self._calls, self._config, self._plan, self._stream, self._overlap = calls, config, plan, stream, overlap
+    def __init__(self, parts: Parts, layout: CallbackLayout | None, unusable: str | None):
+        self._parts = parts
+        self._plan, self._stream = parts.plan, parts.stream
         self.layout, self._unusable = layout, unusable
         self._failure: str | None = None
         self._announced = False
         if layout is not None:
             devices = layout.mesh.local_devices
-            self._keys = sharding.block_keys(plan, devices)
-            self._rendezvous = Rendezvous(len(devices), config.peer_timeout)
+            self._keys = parts.sharding.block_keys(parts.plan, devices)
+            self._rendezvous = Rendezvous(len(devices), parts.config.peer_timeout)
 
     def run(self, call: Call) -> Outcome:
         """Traces one update as a host callback per device: the update leaves, sharded as the params.
@@ -182,16 +165,17 @@ class JitRoute:
             says what to change.
         """
         window.refuse_multisteps()
-        if self._config.accumulate_steps > 1:
+        accumulate_steps = self._parts.config.accumulate_steps
+        if accumulate_steps > 1:
             raise OffloadError(
-                f"mlp_offload with accumulate_steps={self._config.accumulate_steps} was called inside jax.jit; "
+                f"mlp_offload with accumulate_steps={accumulate_steps} was called inside jax.jit; "
                 "accumulation runs eagerly: call tx.update (or nnx.Optimizer.update) outside jit, with the jitted "
                 "loss and gradients before it, or accumulate in your jitted step and create the mlp_offload "
                 "without accumulate_steps"
             )
         if self.layout is None:
             raise OffloadError(self._unusable)
-        uniform, new_shared = self._calls.uniform(call)
+        uniform, new_shared = self._parts.calls.uniform(call)
         state = call.state
         leaves = self._trace(call.grads, call.params, state.step, uniform)
         return Outcome(leaves, call.grads_tree, OffloadState(state.step + 1, new_shared), None)
@@ -254,7 +238,7 @@ class JitRoute:
                 "on storage: close this mlp_offload and create it again with resume=True"
             )
         try:
-            self._overlap.settle()
+            self._parts.overlap.settle()
             blocks = self._blocks_on(self.layout.host, blocks_by_device, uniform)
             with jax.default_device(self.layout.host):
                 results = self._stream.advance(step, blocks, IN_CALLBACK)

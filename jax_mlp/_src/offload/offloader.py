@@ -29,7 +29,7 @@ from jax_mlp._src.offload.accumulation import AccumulationRoute
 from jax_mlp._src.offload.fused import FusedRoute
 from jax_mlp._src.offload.in_jit import JitRoute
 from jax_mlp._src.offload.overlap import Overlap
-from jax_mlp._src.offload.route import Call, Calls, Route
+from jax_mlp._src.offload.route import Call, Calls, Parts, Route
 from jax_mlp._src.offload.split import SplitRoute
 from jax_mlp._src.parsing import parse_rate
 from jax_mlp._src.plan.callback_layout import callback_layout
@@ -45,29 +45,37 @@ _INSTANCES = itertools.count()  # names this process's offloaders alike in every
 
 
 class Live(NamedTuple):
-    """An initialised offload: its plan, state stream, call checks, and one object per route.
+    """An initialised offload: what its routes are built from, and one object per route.
 
     Attributes:
-      plan: the subgroups.
-      sharding: each leaf's sharding and owned shards, as at ``init``.
-      stream: the offloaded state.
-      calls: the checks every call goes through.
-      overlap: the update the backward starts (``offload.overlap`` in the loss).
+      parts: the call checks, options, plan, sharding, state stream and overlap.
       split: eager updates, and the finish of overlapped ones.
       fused: ``apply``.
       in_jit: ``update`` traced inside ``jax.jit``.
       accumulation: the calls of an accumulation window.
     """
 
-    plan: Plan
-    sharding: LeafSharding
-    stream: StateStream
-    calls: Calls
-    overlap: Overlap
+    parts: Parts
     split: SplitRoute
     fused: FusedRoute
     in_jit: JitRoute
     accumulation: AccumulationRoute
+
+    @property
+    def plan(self) -> Plan:
+        return self.parts.plan
+
+    @property
+    def sharding(self) -> LeafSharding:
+        return self.parts.sharding
+
+    @property
+    def stream(self) -> StateStream:
+        return self.parts.stream
+
+    @property
+    def overlap(self) -> Overlap:
+        return self.parts.overlap
 
     def route_for(self, call: Call, accumulate_steps: int) -> Route:
         """The route ``call`` takes: the table of docs/architecture.md, "Routes"."""
@@ -220,22 +228,13 @@ class Offloader(ClosesOnExit):
             layout, unusable = None, str(error)
         needs_params = planned.reads_params or plan.master_dtype is not None
         overlap = Overlap(config, plan, sharding, stream, layout, unusable, needs_params)
-        split = SplitRoute(calls, plan, sharding, stream, overlap, needs_params)
-        return Live(
-            plan,
-            sharding,
-            stream,
-            calls,
-            overlap,
-            split,
-            FusedRoute(calls, plan, sharding, stream, overlap, config.accumulate_steps),
-            JitRoute(calls, config, plan, sharding, layout, unusable, stream, overlap),
-            AccumulationRoute(config, plan, stream, overlap, split),
-        )
+        parts = Parts(calls, config, plan, sharding, stream, overlap, needs_params)
+        split = SplitRoute(parts)
+        return Live(parts, split, FusedRoute(parts), JitRoute(parts, layout, unusable), AccumulationRoute(parts, split))
 
     def _first_handle(self, live: Live, params: list[Any]) -> OffloadState:
         """The handle at the step the tiers were filled at (an empty accumulation window, if accumulating)."""
-        shared = live.calls.shared_of([jnp.asarray(x) for x in live.stream.shared])
+        shared = live.parts.calls.shared_of([jnp.asarray(x) for x in live.stream.shared])
         step = jnp.asarray(live.stream.step, jnp.int32)
         if self.config.accumulate_steps > 1:
             empty = window.empty_window(params, self.config.accumulator_dtype)
@@ -315,7 +314,7 @@ class Offloader(ClosesOnExit):
     def _call(self, verb: str, grads: Any, state: Any, params: Any, extra_args: dict) -> tuple[Any, OffloadState]:
         """Checks a call, runs it through its route, and tells the overlap what the next backward may assume."""
         live = self.initialised(verb)
-        call = live.calls.check(verb, grads, state, params, extra_args)
+        call = live.parts.calls.check(verb, grads, state, params, extra_args)
         del grads, params  # apply consumes them: the call holds its leaves
         try:
             outcome = live.route_for(call, self.config.accumulate_steps).run(call)

@@ -25,11 +25,13 @@ import optax
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import inputs
+from jax_mlp._src.offload.overlap import Overlap
 from jax_mlp._src.plan import optimizer_check
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import Programs, Uniform
 from jax_mlp._src.plan.sharding import LeafSharding
 from jax_mlp._src.state import OffloadState
+from jax_mlp._src.stream.state_stream import StateStream
 
 
 class Call(NamedTuple):
@@ -159,3 +161,25 @@ class Calls:
             optimizer_check.check_extra_args(self._inner, self._plan, extra)
             self._checked_extra_args.add(signature)
         return extra
+
+
+class Parts(NamedTuple):
+    """What every route of one offload is built from.
+
+    Attributes:
+      calls: the call checks (and the values every subgroup is given alike).
+      config: the options.
+      plan: the subgroups.
+      sharding: each leaf's sharding and owned shards, as at ``init``.
+      stream: the offloaded state.
+      overlap: the update the backward may start (``offload.overlap`` in the loss).
+      needs_params: whether the update reads the params (the inner optimizer does, or a master is kept).
+    """
+
+    calls: Calls
+    config: OffloadConfig
+    plan: Plan
+    sharding: LeafSharding
+    stream: StateStream
+    overlap: Overlap
+    needs_params: bool
