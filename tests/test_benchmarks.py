@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import load_module
 
-from jax_mlp._src import quantized
+from jax_mlp._src import state_codecs
 from jax_mlp._src.cli.ablation import ABLATION
 from jax_mlp._src.storage.chunk_files import CHUNK_REQUESTS
 from jax_mlp._src.storage.record import HEADER_SIZE, chunk_bytes
@@ -150,7 +150,7 @@ def test_state_codecs_benchmark_measures_every_map_and_codec(tmp_path):
     assert json.loads((tmp_path / "codecs.json").read_text()) == result
     assert set(result["nu_maps"]) == set(bench.NU_MAPS)
     assert set(result["final_loss"]) == {"fp32", "bf16", "int8", "bf16 stochastic"}
-    assert bench.BLOCK == quantized.BLOCK_SIZE  # the maps compared are blocked as the int8 codec is
+    assert bench.BLOCK == state_codecs.BLOCK_SIZE  # the maps compared are blocked as the int8 codec is
     ours = result["nu_maps"]["block float of sqrt, 4 fraction bits (quantized_state)"]
     assert ours["nu_zeroed_share"] == 0 and ours["update_rel_l2_err"] < 0.05
     assert ours["nu_rel_err_p99"] < result["nu_maps"]["block float of sqrt, 3 fraction bits"]["nu_rel_err_p99"]

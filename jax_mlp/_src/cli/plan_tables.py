@@ -6,10 +6,11 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from jax_mlp._src.cli.ablation import Variant
 from jax_mlp._src.cli.sizing import PROCESS_BYTES, Compute, Workload, device_memory, host_memory, link_seconds
 from jax_mlp._src.cli.speeds import path_needs, record_sizes
 from jax_mlp._src.parsing import format_bytes, parse_size
-from jax_mlp._src.schedule.performance import PathSpeed, Prediction, Variant
+from jax_mlp._src.schedule.performance import PathSpeed, Prediction
 from jax_mlp._src.storage import capacity, local
 from jax_mlp._src.storage.buffers import POOL_BYTES
 
