@@ -1,6 +1,6 @@
 """What the optimizer check costs at ``init``, on a transformer-shaped tree (shapes only, nothing allocated).
 
-For each optimizer it times ``Offloader.plan_for`` of a fresh ``mlp_offload`` (the optimizer check,
+For each optimizer it times ``plan_for`` of a fresh ``mlp_offload`` (the optimizer check,
 then the plan of the subgroups, as ``init`` pays them; the first call, and the median of the repeats)
 and, in the same run, a fresh ``jax.make_jaxpr`` of ``inner.update`` on the same tree: the check's
 floor, since it must trace the update once. The check itself is private; its public face is
