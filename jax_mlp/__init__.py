@@ -13,6 +13,7 @@ from jax_mlp._src.checkpoint.handler import OffloadCheckpointHandler, OffloadRes
 from jax_mlp._src.checkpoint.layout import standard_layout
 from jax_mlp._src.config import OffloadConfig, OffloadOptions, Path
 from jax_mlp._src.errors import CoupledOptimizerError, OffloadError, PathError, PathInUseError, PeerError, RecordError
+from jax_mlp._src.layered import LayerStack, LayerStream, nnx_layer_stack, stream_layers
 from jax_mlp._src.parsing import format_bytes, parse_rate, parse_size
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.state import OffloadState
@@ -24,6 +25,8 @@ from jax_mlp._src.transform import OffloadTransformation, mlp_offload, restore_p
 __all__ = [
     "CoupledOptimizerError",
     "IOEvent",
+    "LayerStack",
+    "LayerStream",
     "OffloadCheckpointHandler",
     "OffloadConfig",
     "OffloadError",
@@ -43,11 +46,13 @@ __all__ = [
     "UpdateStats",
     "format_bytes",
     "mlp_offload",
+    "nnx_layer_stack",
     "parse_rate",
     "parse_size",
     "quantized_state",
     "restore_params",
     "standard_layout",
+    "stream_layers",
 ]
 
 __version__ = "0.3.0"

@@ -69,12 +69,12 @@ CHILD = textwrap.dedent(
         finally:
             updating.pop()
 
-    def reading(self, subgroup, step):
+    def reading(self, subgroup, step, **options):
         if updating == [KILLED_AT]:
             calls.append(subgroup)
             if len(calls) == 2:
                 die(subgroup=subgroup)
-        return fetch(self, subgroup, step)
+        return fetch(self, subgroup, step, **options)
 
     def running(self, order, fetch, compute, store, *describe):
         def computing(index, fetched):

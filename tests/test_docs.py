@@ -192,6 +192,7 @@ DOCTESTED = (
     "OffloadConfig",
     "parse_size",
     "format_bytes",
+    "stream_layers",
 )
 
 

@@ -88,3 +88,16 @@ def test_big_state_peak_rss_stays_well_below_a_state_four_times_the_cache(tmp_pa
     # Gathering the state would add at least its size; the cache and the records in flight add far less.
     assert figures["offloader_rss"] < 0.5 * state, figures
     assert all(loss == loss for loss in figures["losses"])
+
+
+def test_layered_gpt_learns_with_its_params_in_the_tiers_and_steps_as_plain_optax(tmp_path):
+    """``examples/layered_gpt.py``: NNX blocks made one at a time into the tiers, 4 micro-batches, clipping; each
+    step within the core tolerance of ``jax.grad`` and plain optax from the same params."""
+    layered = load_module(EXAMPLES / "layered_gpt.py")
+    result = layered.main(
+        ["--steps", "12", "--layers", "3", "--d-model", "32", "--seq-len", "32", "--microbatches", "4",
+         "--layer-init", "--compare", "--params-hash", "--log-every", "100",
+         "--paths", str(tmp_path / "nvme"), str(tmp_path / "pfs")]
+    )  # fmt: skip
+    assert result["last_loss"] < result["first_loss"]
+    assert result["max_deviation"] <= 1e-5 and len(result["params_hash"]) == 16

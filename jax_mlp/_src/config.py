@@ -303,6 +303,18 @@ class OffloadConfig:
         return text[text.index("Attributes:\n") + len("Attributes:\n") :]
 
     @classmethod
+    def of(cls, options: Mapping[str, Any], caller: str) -> OffloadConfig:
+        """The config of the keyword ``options`` a face function (``caller``) was given.
+
+        Raises:
+          TypeError: an option that is not a field, named as ``caller``'s unexpected keyword.
+        """
+        unknown = sorted(set(options) - set(inspect.signature(cls).parameters))
+        if unknown:
+            raise TypeError(f"{caller}() got unexpected keyword arguments {unknown}; see help(jax_mlp.{caller})")
+        return cls(**options)
+
+    @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Each option's default, by name (``paths`` has none)."""
         parameters = inspect.signature(cls).parameters.values()

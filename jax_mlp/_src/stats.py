@@ -386,3 +386,11 @@ def fan_out(*callbacks: Callable[[UpdateStats], None] | None) -> Callable[[Updat
             raise errors[0]
 
     return call_each
+
+
+def stats_callback(
+    on_stats: Callable[[UpdateStats], None] | None, log_to: str | os.PathLike | None, *, resume: bool
+) -> Callable[[UpdateStats], None] | None:
+    """The user's ``on_stats``, and with ``log_to`` a :class:`StatsLog` of that file beside it (appended to on a
+    resume, emptied first otherwise)."""
+    return on_stats if log_to is None else fan_out(StatsLog(log_to, append=resume), on_stats)

@@ -22,7 +22,7 @@ from jax_mlp._src.offload.masters import params_from_masters
 from jax_mlp._src.offload.offloader import ClosesOnExit, Offloader
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.state import OffloadState
-from jax_mlp._src.stats import StatsLog, UpdateStats, fan_out
+from jax_mlp._src.stats import UpdateStats, stats_callback
 from jax_mlp._src.storage.tier_stack import Pin
 
 __all__ = ["OffloadTransformation", "mlp_offload", "offloader_of", "restore_params"]
@@ -244,12 +244,8 @@ def mlp_offload(
       objective 11.720
       objective 10.671
     """
-    unknown = sorted(set(options) - set(inspect.signature(OffloadConfig).parameters))
-    if unknown:
-        raise TypeError(f"mlp_offload() got unexpected keyword arguments {unknown}; see help(jax_mlp.mlp_offload)")
-    config = OffloadConfig(**options)
-    if log_to is not None:
-        on_stats = fan_out(StatsLog(log_to, append=resume), on_stats)
+    config = OffloadConfig.of(options, "mlp_offload")
+    on_stats = stats_callback(on_stats, log_to, resume=resume)
     offloader = Offloader(inner, config, resume=resume, on_stats=on_stats)
     return OffloadTransformation(offloader.init, offloader.update)
 

@@ -17,6 +17,7 @@ from jax_mlp._src.cli.ablation import ABLATION, predict_variant, predict_variant
 from jax_mlp._src.cli.command import DEFAULTS, Command, UsageError, argument, parse_count, rate
 from jax_mlp._src.cli.sizing import Compute, Workload, flops_seconds, link_seconds, params_link_seconds
 from jax_mlp._src.cli.speeds import PROBE_SIZE, path_speeds
+from jax_mlp._src.cli.streamed import print_streamed, streamed_step
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.plan import remainders
 
@@ -45,8 +46,10 @@ def _workload(args: argparse.Namespace) -> Workload:
     for flag in ("contention", "mfu"):
         if not 0 < getattr(args, flag) <= 1:
             raise UsageError(f"--{flag} must be in (0, 1], got {getattr(args, flag)}")
-    if args.params_in == "host" and args.layers is None:
-        raise UsageError("--params-in host needs --layers: a device then holds the params a layer at a time")
+    if args.params_in in ("host", "tiers") and args.layers is None:
+        raise UsageError(
+            f"--params-in {args.params_in} needs --layers: a device then holds the params a layer at a time"
+        )
     subgroup = parse_size(args.subgroup_size, name="--subgroup-size")
     if subgroup <= 0:
         raise UsageError("--subgroup-size must be positive")
@@ -126,6 +129,10 @@ def handle(args: argparse.Namespace) -> int:
             predict_variant_step(ABLATION[-1], speeds, forward_backward_seconds=idle, overlapped=o, **common)
             for o in (False, True)
         )
+    if args.params_in == "tiers":
+        endurance = None if args.endurance is None else parse_size(args.endurance, name="--endurance")
+        print_streamed(streamed_step(work, speeds, cache, compute.seconds), work, endurance)
+        return 0
     if args.json:
         mechanisms = list(zip(ABLATION, variants, strict=True))
         print(json.dumps(plan_tables.figures(work, speeds, cache, link, compute, mechanisms, steps, trips), indent=1))
@@ -186,7 +193,9 @@ COMMAND = Command(
         "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --master --state-codec int8\n"
         "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --compute-s 4 --json\n"
         "  jax-mlp plan --params 70B --master --params-in host --layers 80 --processes-per-node 4 \\\n"
-        "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --device-memory 40GB"
+        "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --device-memory 40GB\n"
+        "  jax-mlp plan --params 175B --master --params-in tiers --layers 96 --processes-per-node 4 \\\n"
+        "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --compute-s 60 --endurance 14PB"
     ),
     arguments=(
         argument("--params", required=True, help="parameters of the model, e.g. 70B, 7e9 or 1.5e9 (K, M, B, T)"),
@@ -260,16 +269,23 @@ COMMAND = Command(
         ),
         argument(
             "--params-in",
-            choices=("device", "host"),
+            choices=("device", "host", "tiers"),
             default="device",
-            help="where the params and grads live: on the devices, or in host memory (pinned_host), streamed "
-            "through the devices a layer at a time, as in examples/host_params.py (default: %(default)s)",
+            help="where the params and grads live: on the devices; in host memory (pinned_host), streamed "
+            "through the devices a layer at a time, as in examples/host_params.py; or in the tiers with the "
+            "state, a layer-streamed run (jax_mlp.stream_layers, docs/layers.md) (default: %(default)s)",
+        ),
+        argument(
+            "--endurance",
+            default=None,
+            help="with --params-in tiers: the bytes each path's drives are rated to write, e.g. 14PB, for the "
+            "days until they wear out",
         ),
         argument(
             "--layers",
             type=int,
             default=None,
-            help="layers of the model, of --params / --layers each; needed with --params-in host",
+            help="layers of the model, of --params / --layers each; needed with --params-in host or tiers",
         ),
         argument("--nodes", type=int, default=1, help="nodes the state is sharded over (default: %(default)s)"),
         argument(

@@ -36,7 +36,7 @@ from jax_mlp._src.plan.callback_layout import callback_layout
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.sharding import LeafSharding
 from jax_mlp._src.state import OffloadState
-from jax_mlp._src.storage.paths import open_paths, release_paths
+from jax_mlp._src.storage.paths import open_configured, release_paths
 from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.stream.build import build_stream
 from jax_mlp._src.stream.state_stream import StateStream
@@ -193,13 +193,7 @@ class Offloader(ClosesOnExit):
         self._check_open()
         planned = self._planned(params)
         config, plan = self.config, planned.plan
-        paths = open_paths(
-            config.paths,
-            jax.process_index(),
-            max_inflight=config.max_inflight,
-            node_lock=config.node_lock,
-            store_timeout=config.store_timeout,
-        )
+        paths = open_configured(config)
         stream = None
         try:
             resume.check_paths(paths, plan, config.subgroup_size, intent=intent)

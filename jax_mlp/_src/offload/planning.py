@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -27,8 +28,17 @@ class Planned(NamedTuple):
     reads_params: bool  # whether inner.update reads the params (the optimizer check says)
 
 
-def plan_params(inner: optax.GradientTransformationExtraArgs, config: OffloadConfig, params: Any, key: Any) -> Planned:
-    """Checks the optimizer on ``params`` (their shapes), then plans their subgroups; warns of oversized leaves."""
+def plan_params(
+    inner: optax.GradientTransformationExtraArgs,
+    config: OffloadConfig,
+    params: Any,
+    key: Any,
+    unit_of: Sequence[int] | None = None,
+) -> Planned:
+    """Checks the optimizer on ``params`` (their shapes), then plans their subgroups; warns of oversized leaves.
+
+    ``unit_of`` gives each leaf's unit for a layer-streamed model (no subgroup spans two), or is None.
+    """
     leaves = jax.tree_util.tree_leaves(params)
     sharding = LeafSharding.of(leaves)
     check = optimizer_check.check_optimizer(inner, params, config.master_dtype, dict(config.extra_args))
@@ -40,6 +50,7 @@ def plan_params(inner: optax.GradientTransformationExtraArgs, config: OffloadCon
         sharding.shards,
         whole_leaves=check.whole_leaves,
         master_storage=config.master_storage,
+        unit_of=unit_of,
     )
     oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
     _warn_of(oversized, plan, config.subgroup_size)

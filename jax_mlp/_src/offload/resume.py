@@ -213,9 +213,15 @@ def _discard(paths: Sequence[PathStore], plan: Plan, held: list[str]) -> None:
 
 
 def last_complete_step(
-    engine: Engine, paths: Sequence[PathStore], plan: Plan, *, peer_key: str, peer_timeout: float
+    engine: Engine,
+    paths: Sequence[PathStore],
+    plan: Plan,
+    *,
+    peer_key: str,
+    peer_timeout: float,
+    num_records: int | None = None,
 ) -> tuple[int, dict[int, int]]:
-    """The highest step at which every subgroup has a verified record on some path, and where each is.
+    """The highest step at which every record has a verified copy on some path, and where each is.
 
     With several processes, the highest such step that every process has: a process that
     finished one more update than a dead peer resumes one step back, from its other slot.
@@ -226,9 +232,11 @@ def last_complete_step(
       plan: the subgroups and their layout hash.
       peer_key: names this offloader alike in every process, for the agreement.
       peer_timeout: seconds to wait for the other processes.
+      num_records: the records to scan: one per subgroup (the default), or with a layer-streamed plan's
+        params records after them.
 
     Returns:
-      The step, and the index of the path holding each subgroup's record of it.
+      The step, and the index of the path holding each record of it.
 
     Raises:
       RecordError: no step is complete (and verified) everywhere.
@@ -244,7 +252,8 @@ def last_complete_step(
                     steps[step] = path_index
         return steps
 
-    engine.pipeline(range(len(plan.subgroups)), scan, found.__setitem__, lambda *_: None)
+    records = len(plan.subgroups) if num_records is None else num_records
+    engine.pipeline(range(records), scan, found.__setitem__, lambda *_: None)
     common = set.intersection(*(set(steps) for steps in found.values()))
     if jax.process_count() > 1:
         published = peers.all_values(f"{peer_key}/resume", json.dumps(sorted(common)), peer_timeout, "resume")
@@ -262,6 +271,11 @@ def resume_at(stream: StateStream, *, peer_key: str) -> None:
     """Takes the tiers up at the last step complete on every path (and, with several processes, in every one)."""
     config = stream.config
     step, locations = last_complete_step(
-        stream.engine, stream.tiers.paths, stream.plan, peer_key=peer_key, peer_timeout=config.peer_timeout
+        stream.engine,
+        stream.tiers.paths,
+        stream.plan,
+        peer_key=peer_key,
+        peer_timeout=config.peer_timeout,
+        num_records=len(stream.record_bytes),
     )
     stream.resume_at(step, locations)

@@ -261,16 +261,20 @@ def _group_pieces(
     estimator: _Estimator,
     subgroup_size: int,
     whole_leaves: frozenset[int] = frozenset(),
+    unit_of: Sequence[int] | None = None,
 ) -> list[list[Piece]]:
-    """Greedy packing in order, never mixing devices; a piece above ``subgroup_size`` is cut into row chunks.
+    """Greedy packing in order, never mixing devices or units; a piece above ``subgroup_size`` is cut into row chunks.
 
     A piece of a leaf in ``whole_leaves`` is never cut: above ``subgroup_size``, it is a subgroup of its own.
+    ``unit_of`` gives each leaf's unit (a layer of a layer-streamed model), or None for one unit.
     """
+    unit_of = unit_of or [0] * len(specs)
     groups: list[list[Piece]] = []
     current: list[Piece] = []
     current_bytes = 0
     for whole in pieces:
-        if current and current[0].device != whole.device:
+        first = current[0] if current else None
+        if first is not None and (first.device != whole.device or unit_of[first.leaf] != unit_of[whole.leaf]):
             groups.append(current)
             current, current_bytes = [], 0
         nbytes = estimator.piece_nbytes(whole)
@@ -353,6 +357,7 @@ def make_plan(
     *,
     whole_leaves: frozenset[int] = frozenset(),
     master_storage: str = "full",
+    unit_of: Sequence[int] | None = None,
 ) -> Plan:
     """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
 
@@ -370,6 +375,8 @@ def make_plan(
         one above ``subgroup_size`` is a subgroup of its own.
       master_storage: ``"remainder"`` to store the fp32 master of bf16 leaves as int16 remainders,
         ``"full"`` to store it whole (see :class:`~jax_mlp._src.config.OffloadConfig`).
+      unit_of: each leaf's unit, in ``tree_leaves`` order (the layers of a layer-streamed model): no
+        subgroup holds pieces of two units, and the leaves of a unit must be contiguous. None: one unit.
 
     Returns:
       The plan, with each subgroup's record layout and a hash identifying the whole layout.
@@ -386,7 +393,7 @@ def make_plan(
     estimator = _Estimator(inner, treedef, specs, master_dtype, master_storage)
     whole = _whole_pieces(shards)
     subgroups = []
-    for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size, whole_leaves)):
+    for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size, whole_leaves, unit_of)):
         state_pieces = _abstract_pieces(specs, pieces, master_dtype)
         view = view_of(treedef, len(specs), pieces, state_pieces)
         state_shapes = init_shapes(inner, view)

@@ -327,11 +327,12 @@ def _row_starts(subgroup: Subgroup, device: jax.Device | None) -> list[jax.Array
 class SubgroupUpdate(NamedTuple):
     """What one subgroup's update (or apply) program returns: per piece its update block (or new
     param block; for a row chunk, its leaf's updated accumulator or param block), then the new state
-    leaves and master leaves."""
+    leaves and master leaves; and, for a layer-streamed step, each piece's new params for its params record."""
 
     outputs: list[jax.Array]
     state_leaves: list[jax.Array]
     master_leaves: list[jax.Array]
+    param_pieces: list[jax.Array] | None = None
 
 
 class Programs:

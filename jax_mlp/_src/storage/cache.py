@@ -71,6 +71,33 @@ class HostCache:
             self.nbytes += entry.nbytes
             return evicted
 
+    def offer(self, key: int, entry: CacheEntry) -> bool:
+        """Caches a clean ``entry`` where room can be made by evicting clean entries only; whether it did.
+
+        What it evicts needs no write, so a reader may call it: a dirty entry evicted would be neither in
+        the cache nor on its path until written, and a concurrent read of it would find the old record.
+        A dirty entry of ``key`` is never replaced.
+        """
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None and old.dirty:
+                return False
+            needed = self.nbytes - (0 if old is None else old.nbytes) + entry.nbytes - self.capacity
+            victims = []
+            for victim, held in self._entries.items():  # least recently used first
+                if needed <= 0:
+                    break
+                if victim != key and not held.dirty:
+                    victims.append(victim)
+                    needed -= held.nbytes
+            if needed > 0:
+                return False
+            for victim in [*victims, *([key] if old is not None else [])]:
+                self.nbytes -= self._entries.pop(victim).nbytes
+            self._entries[key] = entry
+            self.nbytes += entry.nbytes
+            return True
+
     def drop(self, key: int) -> None:
         """Forgets ``key``'s entry, if any (its newer record goes to storage instead)."""
         with self._lock:

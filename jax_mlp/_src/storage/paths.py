@@ -15,9 +15,10 @@ import os
 import threading
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
-from jax_mlp._src.config import Path
+from jax_mlp._src.config import OffloadConfig, Path
 from jax_mlp._src.errors import PathError, RecordError
 from jax_mlp._src.storage.backend import RUN_FILE, Backend, RecordArray
 from jax_mlp._src.storage.kvstore import KvStoreBackend
@@ -187,6 +188,17 @@ def open_path(
     if isinstance(path.location, dict):
         return PathStore(KvStoreBackend(path.location, process_index, store_timeout), traffic)
     return PathStore(LocalBackend(path.location, process_index), traffic)
+
+
+def open_configured(config: OffloadConfig) -> list[PathStore]:
+    """The paths of ``config``, opened and held for this process (see :func:`open_paths`)."""
+    return open_paths(
+        config.paths,
+        jax.process_index(),
+        max_inflight=config.max_inflight,
+        node_lock=config.node_lock,
+        store_timeout=config.store_timeout,
+    )
 
 
 def open_paths(

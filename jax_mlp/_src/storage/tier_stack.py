@@ -177,8 +177,13 @@ class TierStack:
         name = os.path.join(path.directory, record_name(subgroup, step % 2))
         return verify(record, name=name, step=step, layout_hash=self.layout_hash)
 
-    def fetch(self, subgroup: int, step: int) -> Fetched:
-        """The fields of ``subgroup`` at ``step``, from the cache or the path holding its record (verified)."""
+    def fetch(self, subgroup: int, step: int, *, keep: bool = False) -> Fetched:
+        """The fields of ``subgroup`` at ``step``, from the cache or the path holding its record (verified).
+
+        With ``keep``, fields read from a path stay in the cache as a clean entry where clean entries can
+        make room (:meth:`HostCache.offer`): the params a layer-streamed forward reads last are those its
+        backward reads first.
+        """
         entry = self.cache.get(subgroup)
         if entry is not None and entry.step == step:
             return Fetched(entry.fields, None)
@@ -191,8 +196,12 @@ class TierStack:
             )
         started = time.perf_counter()
         payload = self._read(self.paths[index], subgroup, step)
-        read = RecordIO("read", index, subgroup, HEADER_SIZE + payload.nbytes, started, time.perf_counter())
-        return Fetched(self.codec.unpack(subgroup, payload), read)
+        nbytes = HEADER_SIZE + payload.nbytes
+        read = RecordIO("read", index, subgroup, nbytes, started, time.perf_counter())
+        fields = self.codec.unpack(subgroup, payload)
+        if keep:
+            self.cache.offer(subgroup, CacheEntry(fields, nbytes, step, dirty=False))
+        return Fetched(fields, read)
 
     def write(self, subgroup: int, fields: Any, step: int, path: int) -> RecordIO:
         """Packs ``fields`` into a sealed record and writes it, as step ``step``, to path index ``path``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optax
@@ -15,7 +15,7 @@ from jax_mlp._src.schedule.scheduler import Scheduler
 from jax_mlp._src.stats import UpdateStats
 from jax_mlp._src.storage.cache import HostCache
 from jax_mlp._src.storage.paths import PathStore
-from jax_mlp._src.storage.record import HEADER_SIZE, record_codec
+from jax_mlp._src.storage.record import HEADER_SIZE, RecordLayout, record_codec
 from jax_mlp._src.storage.tier_stack import TierStack
 from jax_mlp._src.stream.engine import Engine
 from jax_mlp._src.stream.state_stream import StateStream
@@ -29,11 +29,14 @@ def build_stream(
     peer_key: str,
     on_stats: Callable[[UpdateStats], None] | None,
     notes: dict[str, Any],
+    param_layouts: Sequence[RecordLayout] = (),
 ) -> StateStream:
     """The state stream of ``plan`` on opened ``paths``: its programs, scheduler (from each path's
-    declared or probed speed), tiers and engine."""
+    declared or probed speed), tiers and engine; with ``param_layouts``, a layer-streamed plan's params
+    records beside its state records (see :mod:`jax_mlp._src.plan.layers`)."""
+    layouts = [subgroup.layout for subgroup in plan.subgroups] + list(param_layouts)
     scheduler = Scheduler(
-        [HEADER_SIZE + subgroup.layout.nbytes for subgroup in plan.subgroups],
+        [HEADER_SIZE + layout.nbytes for layout in layouts],
         [starting_speed(path, config.probe) for path in config.paths],
         order=config.order,
         placement=config.placement,
@@ -43,7 +46,7 @@ def build_stream(
         HostCache(config.host_cache),
         paths,
         plan.layout_hash,
-        record_codec([sg.layout for sg in plan.subgroups], plan.layout_hash),
+        record_codec(layouts, plan.layout_hash),
     )
     engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
     return StateStream(
@@ -56,4 +59,5 @@ def build_stream(
         peer_key=peer_key,
         on_stats=on_stats,
         init_notes=notes,
+        param_layouts=param_layouts,
     )

@@ -40,7 +40,7 @@ from jax_mlp._src.schedule.scheduler import Measured, Scheduler
 from jax_mlp._src.stats import IOCounters, UpdateStats, compiles_on_this_thread, update_stats
 from jax_mlp._src.storage.capacity import check_capacity
 from jax_mlp._src.storage.paths import release_paths
-from jax_mlp._src.storage.record import HEADER_SIZE
+from jax_mlp._src.storage.record import HEADER_SIZE, RecordLayout
 from jax_mlp._src.storage.tier_stack import Locations, Pin, TierStack
 from jax_mlp._src.stream.blocks import Blocks, NewParams, Staging, UpdateBlocks
 from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings
@@ -122,6 +122,8 @@ class StateStream:
       peer_key: names this offloader alike in every process, for barriers.
       on_stats: called with each update's stats; its errors are logged, never raised.
       init_notes: fields added to the stats of the init or restore (the optimizer check's).
+      param_layouts: the params records of a layer-streamed plan, one per subgroup (record ``S + k`` holds
+        subgroup ``k``'s params); none for a plan whose params the user holds.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class StateStream:
         peer_key: str,
         on_stats: Callable[[UpdateStats], None] | None,
         init_notes: Mapping[str, Any] = MappingProxyType({}),
+        param_layouts: Sequence[RecordLayout] = (),
     ):
         self.config = config
         self.plan = plan
@@ -147,7 +150,8 @@ class StateStream:
         self.step = 0
         self.shared: list[np.ndarray] = []  # the shared state leaves at ``step``, once the tiers hold it
         self.last_stats: UpdateStats | None = None
-        self._record_bytes = [HEADER_SIZE + sg.layout.nbytes for sg in plan.subgroups]
+        layouts = [sg.layout for sg in plan.subgroups] + list(param_layouts)
+        self.record_bytes = [HEADER_SIZE + layout.nbytes for layout in layouts]  # state records, then params records
         self._peer_key = peer_key
         self._on_stats = on_stats
         self._init_notes = init_notes
@@ -182,6 +186,11 @@ class StateStream:
         """Streams a given state at ``step`` in; ``load(k)`` gives subgroup k's (state, master) leaves."""
         self._populate(step, load, lambda _, loaded: loaded)
 
+    def write_populated(self, step: int, compute: Callable[[int, Any], tuple]) -> None:
+        """Streams a state made by ``compute(k, None)`` (subgroup k's state, masters and, for a layer-streamed
+        plan, params) into the tiers at ``step``."""
+        self._populate(step, lambda _: None, compute)
+
     def resume_at(self, step: int, locations: dict[int, int]) -> None:
         """Takes up the tiers at ``step``, complete on storage with each subgroup's record where ``locations`` says.
 
@@ -201,7 +210,7 @@ class StateStream:
         updates first. Before the first one, each path's free space is checked against its share.
         """
         placement = tuple(self.scheduler.placement)
-        check_capacity(self.tiers.paths, self._record_bytes, placement)
+        check_capacity(self.tiers.paths, self.record_bytes, placement)
         compiles = compiles_on_this_thread()
         self.step = step  # the cache and idle-time prefetch started by _finish work at this step
         order = self.scheduler.order(step - 1)
@@ -265,13 +274,17 @@ class StateStream:
                 "or restore a checkpoint"
             )
 
-    def begin(self) -> Transaction:
-        """Settles idle-time I/O, drops the records moves left behind, and remembers what to restore."""
+    def begin(self, *, cache_state: bool = True) -> Transaction:
+        """Settles idle-time I/O, drops the records moves left behind, and remembers what to restore.
+
+        With ``cache_state`` false the new state records go straight to their paths, leaving the host
+        cache to the params records of a layer-streamed step (whose forward reads them again).
+        """
         self._check_closed_transaction("beginning an update")
         background_wait = self.engine.wait_background()
         self.tiers.drop_moved()
         placement = tuple(self.scheduler.placement)
-        cached = self.scheduler.cached(self.config.host_cache)
+        cached = self.scheduler.cached(self.config.host_cache) if cache_state else frozenset()
         ahead = self.idle.take_ahead()
         self._open = Transaction(self.step, placement, ahead, self.tiers.locations, background_wait, cached)
         return self._open
@@ -305,6 +318,8 @@ class StateStream:
             out = results.compute(self.programs, subgroup, blocks, on_device)
             self.counters.computed(index, started)
             new = (out.state_leaves, out.master_leaves)
+            if out.param_pieces is not None:
+                new = (*new, out.param_pieces)
             return tuple(self.transfer.to_host(leaves) for leaves in new) if moves.get_on_compute else new
 
         compiles = compiles_on_this_thread()
@@ -313,14 +328,20 @@ class StateStream:
         timings = self.engine.pipeline(order, fetch, compute, store, describe)
         return results.result(), timings, compiles_on_this_thread() - compiles
 
-    def _fetch(self, index: int, step: int) -> Any:
-        """Subgroup ``index``'s fields at ``step`` from the tiers, counted as a cache hit or a read."""
-        fetched = self.tiers.fetch(index, step)
+    def _fetch(self, index: int, step: int, *, keep: bool = False) -> Any:
+        """Record ``index``'s fields at ``step`` from the tiers, counted as a cache hit or a read; with ``keep``,
+        one read from a path stays in the cache (see :meth:`TierStack.fetch`)."""
+        fetched = self.tiers.fetch(index, step, keep=keep)
         if fetched.read is None:
             self.counters.hit()
         else:
             self.counters.count(fetched.read)
         return fetched.fields
+
+    def fetch_params(self, subgroup: int, step: int) -> list[Any]:
+        """Subgroup ``subgroup``'s params at ``step``, from its params record (a layer-streamed plan), kept in the
+        cache: the params a forward reads last are those its backward reads first."""
+        return self._fetch(len(self.plan.subgroups) + subgroup, step, keep=True)[0]
 
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
@@ -344,12 +365,20 @@ class StateStream:
         self, step: int, placement: tuple[int, ...], cached: frozenset[int] | None = None
     ) -> Callable[[int, tuple], None]:
         """The writer threads' store for records of ``step``, each to the path ``placement`` gives it; the host
-        cache keeps those of ``cached`` (None: any)."""
+        cache keeps the state records of ``cached`` (None: any).
+
+        A subgroup's computed ``(state leaves, master leaves)`` go to its state record; a third part, its
+        new params (a layer-streamed step), to its params record, which the cache's LRU may keep.
+        """
 
         def store(index: int, computed: tuple) -> None:
             fields = tuple(self.transfer.to_host(leaves) for leaves in computed)
-            for written in self.tiers.store(index, fields, self._record_bytes[index], step, placement, cached):
-                self.counters.count(written)
+            records = [(index, fields[:2], cached)]
+            if len(fields) == 3:
+                records.append((len(self.plan.subgroups) + index, (fields[2], []), None))
+            for record, held, keep in records:
+                for written in self.tiers.store(record, held, self.record_bytes[record], step, placement, keep):
+                    self.counters.count(written)
 
         return store
 

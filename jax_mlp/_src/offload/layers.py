@@ -1,0 +1,761 @@
+"""The layer-streamed step: a model larger than host RAM, its params, grads and optimizer state all in the tiers.
+
+The model is a stack of identical layers between outer params (:class:`LayerStack`: ``embed``,
+``layer`` and ``head``, pure functions of params and activations). Each step is a host-driven loop
+of jitted per-layer programs, with no callbacks:
+
+- **forward**, layer by layer: each unit's params come from its params records (host cache first),
+  read ahead while the previous layer computes; each layer's input is kept on the device;
+- **backward**, in reverse, recomputing inside each layer (``jax.vjp`` of the layer on its kept
+  input); the params are read again (the last layers of the forward are still in the cache);
+- **update**, during the backward: the grads of a unit go to the update by a plain call as soon as
+  its backward program returns. The update is one transaction of the state stream on its own thread,
+  in the backward's order; each subgroup's fused apply program writes its new state record and its
+  new params record to the slot the tiers' step does not hold, so a crash anywhere leaves the last
+  committed step whole: its state and its params.
+
+With ``max_grad_norm`` the grads are clipped as ``optax.clip_by_global_norm`` clips them. The norm is
+known only once the backward ends, so the update runs speculatively on the unclipped grads; if the
+clipping fires, the transaction is undone (nothing committed) and the backward runs again with the
+grads scaled. Gradient accumulation is layer-major: each layer runs all ``microbatches`` before the
+next, so its params are read once per step, and its grads are summed in micro-batch order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_mlp._src import host_memory
+from jax_mlp._src.config import OffloadConfig
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.offload import inputs, planning, resume, window
+from jax_mlp._src.offload.offloader import ClosesOnExit
+from jax_mlp._src.parsing import format_bytes
+from jax_mlp._src.plan import layers as layer_plans
+from jax_mlp._src.plan.layers import LayerPlan, Unit
+from jax_mlp._src.plan.partition import Piece, Subgroup
+from jax_mlp._src.plan.programs import Programs, SubgroupUpdate, Uniform
+from jax_mlp._src.state import OffloadState
+from jax_mlp._src.stats import UpdateStats
+from jax_mlp._src.storage.buffers import POOL_BYTES
+from jax_mlp._src.storage.paths import open_configured, release_paths
+from jax_mlp._src.stream.blocks import Blocks, Staging
+from jax_mlp._src.stream.build import build_stream
+from jax_mlp._src.stream.state_stream import EAGER, StateStream, Transaction
+
+
+class LayerStack(NamedTuple):
+    """A model as a stack of identical layers between outer params: three pure functions.
+
+    Attributes:
+      embed: ``embed(outer, batch) -> x``, the activations entering layer 0.
+      layer: ``layer(layer_params, x) -> x``, one layer; every layer has params of the same tree and shapes.
+      head: ``head(outer, x, batch) -> loss``, a scalar, from the last layer's output.
+    """
+
+    embed: Callable[[Any, Any], Any]
+    layer: Callable[[Any, Any], Any]
+    head: Callable[[Any, Any, Any], jax.Array]
+
+
+class _Jitted:
+    """The per-layer programs of one stack: forward, backward with recompute, the embedding and the head."""
+
+    def __init__(self, stack: LayerStack):
+        self.layer = jax.jit(stack.layer)
+        self.embed = jax.jit(stack.embed)
+
+        @jax.jit
+        def layer_backward(params: Any, x: Any, gy: Any) -> tuple[Any, Any]:
+            _, vjp = jax.vjp(stack.layer, params, x)
+            gp, gx = vjp(gy)
+            return gx, gp
+
+        @jax.jit
+        def embed_backward(outer: Any, batch: Any, gx: Any) -> Any:
+            _, vjp = jax.vjp(lambda o: stack.embed(o, batch), outer)
+            return vjp(gx)[0]
+
+        self.layer_backward = layer_backward
+        self.embed_backward = embed_backward
+        self.head = jax.jit(jax.value_and_grad(stack.head, argnums=(0, 1)))
+
+
+@jax.jit
+def _mean(grads: Sequence[Any]) -> Any:
+    """The mean of the micro-batches' grads, summed in their order, in float32 (then each leaf's dtype)."""
+    total = grads[0]
+    total = jax.tree.map(lambda g: g.astype(jnp.float32), total)
+    for g in grads[1:]:
+        total = jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, g)
+    return jax.tree.map(lambda t, g: (t / len(grads)).astype(g.dtype), total, grads[0])
+
+
+@jax.jit
+def _squares(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each leaf's sum of squares, as ``optax.global_norm`` sums it (``optax``'s ``abs_sq``)."""
+    return [jnp.sum((x.conj() * x).real) for x in leaves]
+
+
+@jax.jit
+def _clipped(leaves: Sequence[jax.Array], norm: jax.Array, max_norm: float) -> list[jax.Array]:
+    """The leaves as ``optax.clip_by_global_norm(max_norm)`` gives them for a global norm ``norm``."""
+    trigger = jnp.squeeze(norm < max_norm)
+    return [jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm) for t in leaves]
+
+
+class Inbox(Mapping):
+    """Blocks handed to the update as the backward makes them, by key; a program waits for its own.
+
+    Args:
+      timeout: seconds a program waits for a block before the step fails (``io_timeout``).
+    """
+
+    def __init__(self, timeout: float):
+        self._blocks: dict[Any, jax.Array] = {}
+        self._condition = threading.Condition()
+        self._cancelled: str | None = None
+        self._timeout = timeout
+
+    def file(self, blocks: Mapping[Any, jax.Array]) -> None:
+        with self._condition:
+            self._blocks.update(blocks)
+            self._condition.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        """Calls the update off: a program waiting for a block raises."""
+        with self._condition:
+            self._cancelled = reason
+            self._condition.notify_all()
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        with self._condition:
+            value = self._blocks.pop(key, default)
+            self._condition.notify_all()
+            return value
+
+    def wait_until_taken(self) -> None:
+        """Waits until every block filed so far has been taken (or the update was called off, or it timed out).
+
+        The backward files a unit's blocks only once the update has taken the previous unit's, so the
+        device holds one unit's grads waiting, besides the unit the backward computes.
+        """
+        with self._condition:
+            if not self._condition.wait_for(lambda: not self._blocks or self._cancelled, self._timeout):
+                raise OffloadError(f"the update did not take a layer's grads within io_timeout={self._timeout:g}s")
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        with self._condition:
+            ready = self._condition.wait_for(lambda: key in self._blocks or self._cancelled, self._timeout)
+            if self._cancelled:
+                raise OffloadError(f"the layer-streamed update was called off: {self._cancelled}")
+            if not ready:
+                raise OffloadError(f"the backward did not hand over param {key} within io_timeout={self._timeout:g}s")
+            return self._blocks[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class LayerResults:
+    """Each subgroup's fused apply on the params and grads the backward handed over: its new params go to its
+    params record; a leaf's grads and params leave the device once its last subgroup has run.
+
+    A row chunk's program writes its rows into its leaf's params block, which the leaf's next chunk
+    takes, so each leaf is updated in place as in ``apply``.
+    """
+
+    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[int, int]):
+        self._plan, self._inbox = plan, inbox
+        self._uses = dict(uses)
+        self._blocks: dict[Any, jax.Array] = {}
+
+    def compute(self, programs: Programs, subgroup: Subgroup, blocks: Blocks, fields: tuple) -> SubgroupUpdate:
+        keys = [(p.leaf, p.device) for p in subgroup.pieces]
+        params = [self._params_block(key) for key in keys]
+        out = programs.apply(subgroup, blocks.args(subgroup, fields), params)
+        pieces = []
+        for piece, key, block in zip(subgroup.pieces, keys, out.outputs, strict=True):
+            pieces.append(block if piece.rows is None else block[piece.rows[0] : piece.rows[1]])
+            self._uses[piece.leaf] -= 1
+            if self._uses[piece.leaf]:
+                self._blocks[key] = block
+            else:
+                grads = self._inbox.pop(("grads", key))
+                if grads is not None:
+                    grads.delete()
+        blocks.staging.done(subgroup)
+        return out._replace(param_pieces=pieces)
+
+    def _params_block(self, key: Any) -> jax.Array:
+        """A leaf's params block: as its previous row chunk left it, else as the backward handed it over."""
+        if key in self._blocks:
+            return self._blocks.pop(key)
+        block = self._inbox["params", key]
+        self._inbox.pop(("params", key))
+        return block
+
+    def result(self) -> dict:
+        return {}
+
+
+class _GradsView(Mapping):
+    """``Blocks.grads`` of the update: the inbox's grads by key."""
+
+    def __init__(self, inbox: Inbox):
+        self._inbox = inbox
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        return self._inbox["grads", key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class _Update:
+    """One step's update: a transaction of the state stream, streaming on its own thread as grads come in."""
+
+    def __init__(self, stream: StateStream, plan: Any, uniform: Uniform, device: jax.Device, timeout: float):
+        self.inbox = Inbox(timeout)
+        uses: dict[int, int] = {}
+        for sg in plan.subgroups:
+            for p in sg.pieces:
+                uses[p.leaf] = uses.get(p.leaf, 0) + 1
+        devices = [device] * len(plan.subgroups)
+        blocks = Blocks(_GradsView(self.inbox), None, devices, uniform, Staging(plan, ["device"] * len(plan.leaves)))
+        self._stream = stream
+        self.transaction: Transaction = stream.begin(cache_state=False)
+        self.outcome: Any = None
+        self._done = threading.Event()
+        results = LayerResults(plan, self.inbox, uses)
+
+        def run() -> None:
+            try:
+                self.outcome = stream.stream_subgroups(self.transaction, blocks, EAGER, results)
+            except BaseException as error:
+                self.outcome = error
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, daemon=True, name="jax_mlp-layers-update")
+        self._thread.start()
+
+    def hand_over(self, keys: Sequence[Any], grads: Sequence[jax.Array], params: Sequence[jax.Array]) -> None:
+        """Files a unit's grads and params blocks for the update, once it has taken the previous unit's."""
+        self.inbox.wait_until_taken()
+        blocks = {("grads", key): g for key, g in zip(keys, grads, strict=True)}
+        blocks.update({("params", key): p for key, p in zip(keys, params, strict=True)})
+        self.inbox.file(blocks)
+
+    def finish(self) -> tuple[Any, Any, int]:
+        """Waits for the stream; raises what it raised (the transaction is then still to be aborted)."""
+        self._done.wait()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def abort(self, reason: str) -> None:
+        """Calls the update off and undoes its transaction: the tiers keep the step they held."""
+        self.inbox.cancel(reason)
+        self._done.wait()
+        self._stream.abort(self.transaction)
+
+
+class LayerStream(ClosesOnExit):
+    """A layer-streamed model's training: :meth:`init` fills the tiers, :meth:`step` runs one training step.
+
+    Made by :func:`stream_layers`. Its params, grads and optimizer state live in the tiers; host RAM
+    holds the cache and a few units' staging, the device about two units' params, one unit's grads and
+    the layers' inputs.
+    """
+
+    def __init__(
+        self,
+        stack: LayerStack,
+        inner: optax.GradientTransformation,
+        config: OffloadConfig,
+        *,
+        max_grad_norm: float | None,
+        microbatches: int,
+        resume: bool,
+        on_stats: Callable[[UpdateStats], None] | None,
+    ):
+        if microbatches < 1:
+            raise OffloadError(f"microbatches must be at least 1, got {microbatches}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise OffloadError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        if config.accumulate_steps > 1:
+            raise OffloadError(
+                "stream_layers accumulates layer by layer: pass microbatches=k instead of accumulate_steps"
+            )
+        self.stack = stack
+        self.inner = optax.with_extra_args_support(inner)
+        self.config = config
+        self.max_grad_norm = max_grad_norm
+        self.microbatches = microbatches
+        self.resume = resume
+        self.on_stats = on_stats
+        self._jitted = _Jitted(stack)
+        host_memory.return_large_buffers_to_the_os()
+        self._plan: LayerPlan | None = None
+        self._stream: StateStream | None = None
+        self._readers = concurrent.futures.ThreadPoolExecutor(
+            config.prefetch_depth, thread_name_prefix="jax_mlp-params"
+        )
+        self._device = jax.devices()[0]
+        self._closed = False
+        self.rolled_back = 0
+
+    # ----------------------------------------------------------------------------- views
+
+    @property
+    def plan(self) -> LayerPlan | None:
+        """The units, subgroups and records, or None before ``init``."""
+        return self._plan
+
+    @property
+    def stats(self) -> UpdateStats | None:
+        """The stats of the last ``init`` or ``step``."""
+        return None if self._stream is None else self._stream.last_stats
+
+    @property
+    def step_count(self) -> int:
+        """The step the tiers hold."""
+        return 0 if self._stream is None else self._stream.step
+
+    # ----------------------------------------------------------------------------- init
+
+    def init(
+        self,
+        outer: Any,
+        layers: Any = None,
+        *,
+        layer_init: Callable[[int], Any] | None = None,
+        num_layers: int | None = None,
+    ) -> OffloadState:
+        """Plans the units and writes each layer's params and initial state into the tiers, one layer at a time.
+
+        Args:
+          outer: the outer params (embedding, head, ...), as arrays.
+          layers: the layers' params stacked on axis 0 (``jax.Array`` s), or None with ``layer_init``.
+          layer_init: ``layer_init(index) -> one layer's params``, called once per layer: a model larger
+            than host RAM is initialised straight into the tiers.
+          num_layers: the number of layers, with ``layer_init``.
+
+        Returns:
+          The handle at step 0 (or, with ``resume``, at the last complete step).
+        """
+        if self._stream is not None:
+            raise OffloadError("this stream_layers was already initialised; create a new one for another model")
+        self._check_open()
+        window.refuse_multisteps()
+        layer_of = self._layers_source(layers, layer_init, num_layers)
+        one_layer, count = layer_of.shapes
+        inputs.check_float_leaves(outer)
+        check_closure(self.stack.layer)
+
+        def make_plan(tree: Any, unit_of: Sequence[int]) -> Any:  # the optimizer check, then the subgroups
+            return planning.plan_params(self.inner, self.config, tree, None, unit_of).plan
+
+        plan = layer_plans.make_layer_plan(outer, one_layer, count, make_plan)
+        check_host_memory(plan, self.config, self._device.platform)
+        self._open(plan)
+        stream = self._stream
+        try:
+            if self.resume:
+                resume.resume_at(stream, peer_key="jax_mlp/layers")
+            else:
+                self._write_initial_state(plan, _as_arrays(outer), layer_of)
+            for path in stream.tiers.paths:
+                path.write_run_file(resume.run_identity(plan.plan, self.config.subgroup_size))
+        except BaseException:
+            stream.close(delete=False)
+            self._stream = None
+            raise
+        shared = [jnp.asarray(x) for x in stream.shared]
+        treedef = jax.tree_util.tree_structure(stream.programs.shared_shapes)
+        return OffloadState(jnp.asarray(stream.step, jnp.int32), jax.tree_util.tree_unflatten(treedef, shared))
+
+    def _layers_source(self, layers: Any, layer_init: Callable[[int], Any] | None, num_layers: int | None):
+        if (layers is None) == (layer_init is None):
+            raise OffloadError("init takes the stacked layers' params or layer_init (with num_layers), one of them")
+        if layers is not None:
+            shapes = layer_plans.layer_shapes(layers, num_layers)
+            return _Stacked(layers, shapes)
+        if num_layers is None or num_layers < 1:
+            raise OffloadError("init with layer_init needs num_layers, the number of layers (at least 1)")
+        return _Initialised(layer_init, num_layers)
+
+    def _open(self, plan: LayerPlan) -> None:
+        config = self.config
+        paths = open_configured(config)
+        try:
+            resume.check_paths(paths, plan.plan, config.subgroup_size, intent="resume" if self.resume else "init")
+            stream = build_stream(
+                self.inner, config, plan.plan, paths, "jax_mlp/layers", self.on_stats, {}, plan.param_layouts
+            )
+        except BaseException:
+            release_paths(paths)
+            raise
+        stream.scheduler.follow(backward_order(plan))
+        self._plan, self._stream = plan, stream
+
+    def _write_initial_state(self, plan: LayerPlan, outer: Any, layer_of: Any) -> None:
+        """Each subgroup's initial state and its params, computed from its unit's params (made once per unit)."""
+        stream = self._stream
+        unit_of_subgroup = {k: u for u, unit in enumerate(plan.units) for k in unit.subgroups}
+        held: dict[int, list[jax.Array]] = {}
+
+        def unit_leaves(u: int) -> list[jax.Array]:
+            if u not in held:
+                held.clear()
+                tree = outer if u == plan.num_layers else layer_of.layer(u)
+                held[u] = [jax.device_put(jnp.asarray(x), self._device) for x in jax.tree_util.tree_leaves(tree)]
+            return held[u]
+
+        def compute(index: int, _: Any) -> tuple:
+            subgroup = plan.plan.subgroups[index]
+            unit = plan.units[unit_of_subgroup[index]]
+            leaves = unit_leaves(unit_of_subgroup[index])
+            blocks = [leaves[p.leaf - unit.leaves.start] for p in subgroup.pieces]
+            state, masters = stream.programs.init(subgroup, blocks, self._device)
+            return state, masters, _pieces_of(subgroup.pieces, blocks)
+
+        stream.write_populated(0, compute)
+
+    # ----------------------------------------------------------------------------- the step
+
+    def _unit_params(self, unit: Unit, step: int) -> concurrent.futures.Future:
+        """Reads ``unit``'s params records at ``step`` on a reader thread; the future gives its leaves on the device."""
+        plan, stream = self._plan, self._stream
+
+        def read() -> list[jax.Array]:
+            specs = plan.plan.leaves
+            parts: dict[int, list[tuple[Piece, np.ndarray]]] = {}
+            for k in unit.subgroups:
+                subgroup = plan.plan.subgroups[k]
+                for piece, value in zip(subgroup.pieces, stream.fetch_params(k, step), strict=True):
+                    parts.setdefault(piece.leaf, []).append((piece, value))
+            leaves = []
+            for leaf in unit.leaves:
+                chunks = sorted(parts[leaf], key=lambda pv: 0 if pv[0].rows is None else pv[0].rows[0])
+                host = chunks[0][1] if len(chunks) == 1 else np.concatenate([v for _, v in chunks])
+                leaves.append(jax.device_put(host.reshape(specs[leaf].shape), self._device))
+            return leaves
+
+        return self._readers.submit(read)
+
+    def _tree(self, unit: Unit, leaves: Sequence[jax.Array]) -> Any:
+        plan = self._plan
+        treedef = plan.outer_treedef if unit is plan.outer else plan.layer_treedef
+        return jax.tree_util.tree_unflatten(treedef, list(leaves))
+
+    def step(self, state: OffloadState, batch: Any) -> tuple[jax.Array, OffloadState]:
+        """One training step: forward, backward and update, layer by layer; returns the loss and the new handle.
+
+        Args:
+          state: the handle ``init`` or the previous ``step`` returned.
+          batch: the step's batch (a pytree whose leaves have the batch on axis 0, divisible by ``microbatches``).
+
+        Returns:
+          The loss (the mean over micro-batches) and the handle at the next step.
+
+        Raises:
+          OffloadError: before ``init``, after ``close``, or for a handle of another step; the tiers then
+            keep the step they held.
+        """
+        if self._stream is None:
+            raise OffloadError("stream_layers.step was called before init: call init first")
+        self._check_open()
+        stream, plan = self._stream, self._plan
+        step = int(state.step)
+        stream.check_step(step)
+        micro = split_batch(batch, self.microbatches)
+        shared = inputs.check_shared(stream.programs.shared_shapes, state.shared)
+        shared_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stream.programs.shared_shapes), shared)
+        new_shared = stream.programs.shared_update(shared_tree, {})
+        leaves = jax.tree_util.tree_leaves
+        uniform = Uniform(tuple(leaves(shared_tree)), tuple(leaves(new_shared)), {})
+
+        outer_unit, layer_units = plan.outer, plan.units[:-1]
+        outer = self._tree(outer_unit, self._unit_params(outer_unit, step).result())
+        xs = [self._jitted.embed(outer, b) for b in micro]
+        kept: list[list[Any]] = []
+        ahead = self._read_ahead(layer_units, step)
+        for index in range(len(layer_units)):
+            params = self._tree(layer_units[index], next(ahead).result())
+            kept.append(xs)
+            xs = [self._jitted.layer(params, x) for x in xs]
+            del params
+            jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
+        losses, head_grads, gys = [], [], []
+        for x, b in zip(xs, micro, strict=True):
+            loss, (g_outer, gy) = self._jitted.head(outer, x, b)
+            losses.append(loss)
+            head_grads.append(g_outer)
+            gys.append(gy)
+        del xs
+
+        scale = None
+        update = _Update(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+        try:
+            squares = self._backward(update, micro, kept, head_grads, gys, step, scale)
+            if self.max_grad_norm is not None:
+                norm = jnp.sqrt(sum(squares[i] for i in range(len(plan.plan.leaves))))
+                if not bool(norm < self.max_grad_norm):
+                    scale = norm
+                    update.abort("the clipping fired: the step is redone with the clipped grads")
+                    self.rolled_back += 1
+                    update = _Update(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+                    self._backward(update, micro, kept, head_grads, gys, step, scale)
+            _, timings, compiles = update.finish()
+        except BaseException:
+            update.abort("the step failed")
+            raise
+        stream.end(update.transaction, timings, compiles, {"rolled_back": scale is not None})
+        loss = losses[0] if len(losses) == 1 else jnp.mean(jnp.stack(losses))
+        return loss, OffloadState(jnp.asarray(stream.step, jnp.int32), new_shared)
+
+    def _read_ahead(self, units: Sequence[Unit], step: int) -> Iterator[concurrent.futures.Future]:
+        """Each unit's params future in order, ``prefetch_depth`` units ahead of the one computing."""
+        depth = max(1, self.config.prefetch_depth // 2)
+        futures = [self._unit_params(unit, step) for unit in units[:depth]]
+        for index in range(len(units)):
+            if index + depth < len(units):
+                futures.append(self._unit_params(units[index + depth], step))
+            yield futures[index]
+            futures[index] = None
+
+    def _backward(
+        self,
+        update: _Update,
+        micro: Sequence[Any],
+        kept: list[Sequence[Any] | None],
+        head_grads: Sequence[Any],
+        gys: Sequence[Any],
+        step: int,
+        norm: jax.Array | None,
+    ) -> dict[int, jax.Array]:
+        """The backward in reverse, each unit's grads (clipped by ``norm``, if given) handed to ``update``.
+
+        Returns:
+          Each leaf's sum of squares of its unclipped grads (for the global norm), by leaf index.
+        """
+        plan = self._plan
+        squares: dict[int, jax.Array] = {}
+        layer_units = plan.units[:-1]
+        ahead = self._read_ahead(layer_units[::-1], step)
+        gys = list(gys)
+        for index in reversed(range(len(layer_units))):
+            unit = layer_units[index]
+            params_leaves = next(ahead).result()
+            params = self._tree(unit, params_leaves)
+            grads, before = [], list(gys)
+            for m, x in enumerate(kept[index]):
+                gys[m], gp = self._jitted.layer_backward(params, x, gys[m])
+                grads.append(gp)
+            jax.block_until_ready(before)  # the layer after this one is done: two layers' backward at most in flight
+            if self.max_grad_norm is None:  # no redo can need the layer's input again
+                kept[index] = None
+            self._hand_over(update, unit, params_leaves, grads, squares, norm)
+        outer_leaves = self._unit_params(plan.outer, step).result()  # the update donates what it is handed
+        outer = self._tree(plan.outer, outer_leaves)
+        embed_grads = [self._jitted.embed_backward(outer, b, gy) for b, gy in zip(micro, gys, strict=True)]
+        outer_grads = [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)]
+        self._hand_over(update, plan.outer, outer_leaves, outer_grads, squares, norm)
+        return squares
+
+    def _hand_over(
+        self,
+        update: _Update,
+        unit: Unit,
+        params: Sequence[jax.Array],
+        grads: Sequence[Any],
+        squares: dict[int, jax.Array],
+        norm: jax.Array | None,
+    ) -> None:
+        """A unit's grads (the micro-batches' mean), and their squares for the norm, to the update."""
+        mean = grads[0] if len(grads) == 1 else _mean(grads)
+        leaves = jax.tree_util.tree_leaves(mean)
+        for leaf, value in zip(unit.leaves, _squares(leaves), strict=True):
+            squares[leaf] = value
+        if norm is not None:
+            leaves = _clipped(leaves, norm, self.max_grad_norm)
+        keys = [(leaf, None) for leaf in unit.leaves]
+        update.hand_over(keys, leaves, list(params))
+
+    # ----------------------------------------------------------------------------- reading the params back
+
+    def params(self) -> tuple[Any, Any]:
+        """The outer params and the layers' params (stacked on axis 0) at the tiers' step, read from the tiers.
+
+        For evaluation or a checkpoint of a model that fits in memory; a larger one is read unit by unit
+        with :meth:`unit_params`.
+        """
+        plan = self._initialised()
+        outer = self.unit_params(plan.num_layers)
+        layers = [self.unit_params(index) for index in range(plan.num_layers)]
+        return outer, jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+    def unit_params(self, index: int) -> Any:
+        """The params of layer ``index`` (``num_layers``: the outer params) at the tiers' step."""
+        plan = self._initialised()
+        unit = plan.units[index]
+        return self._tree(unit, self._unit_params(unit, self._stream.step).result())
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def _initialised(self) -> LayerPlan:
+        if self._plan is None or self._stream is None:
+            raise OffloadError("this stream_layers has not been initialised: call init first")
+        self._check_open()
+        return self._plan
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("this stream_layers is closed; create a new one (with resume=True to continue)")
+
+    def flush(self) -> None:
+        """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
+        self._check_open()
+        if self._stream is not None:
+            self._stream.flush()
+
+    def close(self, *, delete: bool = False) -> None:
+        """Flushes (unless ``delete``), stops the threads and lets go of the paths; ``delete`` removes the files."""
+        if self._closed:
+            return
+        try:
+            if not delete:
+                self.flush()
+        finally:
+            self._closed = True
+            self._readers.shutdown(wait=True)
+            if self._stream is not None:
+                self._stream.close(delete=delete)
+
+
+def host_memory_needed(plan: LayerPlan, config: OffloadConfig, platform: str) -> dict[str, int]:
+    """What a layer-streamed run adds to host RAM, by part (bytes): the host cache; the record buffers (those in
+    flight, or the pool that keeps them for reuse, up to ``POOL_BYTES``); and the units staged: on a CPU
+    backend, where device memory is host RAM, eight units' worth (the params of three units: the one
+    computing, the one read ahead, the one handed to the update; the grads of two; the new params of one;
+    and the host copies of the units read ahead), measured at 5.4 GiB resident for 4.5 GiB of params with a
+    1.5 GiB cache; elsewhere the host copies of the two units read ahead."""
+    sizes = [sum(plan.param_layouts[k].nbytes for k in unit.subgroups) for unit in plan.units]
+    records = [sg.layout.nbytes for sg in plan.plan.subgroups] + [layout.nbytes for layout in plan.param_layouts]
+    in_flight = 2 * (config.prefetch_depth + config.write_depth) * max(records)
+    return {
+        "host_cache": config.host_cache,
+        "record buffers": max(in_flight, min(POOL_BYTES, sum(records))),
+        "units staged": (8 if platform == "cpu" else 2) * max(sizes),
+    }
+
+
+def check_host_memory(plan: LayerPlan, config: OffloadConfig, platform: str) -> None:
+    """Refuses, before anything is written, a run that would not fit under the memory cap of its cgroup.
+
+    Raises:
+      OffloadError: the cap is below the resident set now plus :func:`host_memory_needed`, naming each part.
+    """
+    cap = host_memory.memory_cap()
+    if cap is None:
+        return
+    parts = {"resident now": host_memory.resident_bytes(), **host_memory_needed(plan, config, platform)}
+    needed = sum(parts.values())
+    if needed > cap:
+        said = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items())
+        raise OffloadError(
+            f"this process's memory cap (cgroup) is {format_bytes(cap)}, but the layer-streamed run needs about "
+            f"{format_bytes(needed)} of host RAM ({said}); raise the cap, or lower host_cache, subgroup_size "
+            "(the record buffers) or the layers' width (the units staged)"
+        )
+
+
+class _Stacked(NamedTuple):
+    """Layers given as stacked params."""
+
+    stacked: Any
+    shapes: tuple[Any, int]
+
+    def layer(self, index: int) -> Any:
+        return jax.tree.map(lambda x: x[index], self.stacked)
+
+
+class _Initialised:
+    """Layers made one at a time by the user's ``layer_init``, each once: the first, made for its shapes, is kept
+    until it is used."""
+
+    def __init__(self, make: Callable[[int], Any], count: int):
+        self._make = make
+        self._first = make(0)
+        self.shapes = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._first), count)
+
+    def layer(self, index: int) -> Any:
+        if index == 0 and self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return self._make(index)
+
+
+def _pieces_of(pieces: Sequence[Piece], blocks: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each piece's part of its leaf's block: the block, or its rows."""
+    return [b if p.rows is None else b[p.rows[0] : p.rows[1]] for p, b in zip(pieces, blocks, strict=True)]
+
+
+def _as_arrays(tree: Any) -> Any:
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def backward_order(plan: LayerPlan) -> list[int]:
+    """The order the update takes the subgroups in: the layers last to first, then the outer unit."""
+    return [k for unit in (*plan.units[:-1][::-1], plan.outer) for k in unit.subgroups]
+
+
+def split_batch(batch: Any, microbatches: int) -> list[Any]:
+    """``batch`` cut into ``microbatches`` equal parts along axis 0."""
+    if microbatches == 1:
+        return [batch]
+    sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(batch)}
+    if len(sizes) != 1 or sizes.pop() % microbatches:
+        raise OffloadError(f"the batch's leading axis must be one size divisible by microbatches={microbatches}")
+    parts = jax.tree.map(lambda x: jnp.asarray(x).reshape(microbatches, -1, *x.shape[1:]), batch)
+    return [jax.tree.map(lambda x, m=m: x[m], parts) for m in range(microbatches)]
+
+
+def check_closure(layer: Callable[[Any, Any], Any]) -> None:
+    """Refuses a layer function that closes over arrays (in its closure, or bound by ``functools.partial``):
+    every layer's program would carry them as constants, neither trained nor offloaded."""
+    held = [_cell(cell) for cell in getattr(layer, "__closure__", None) or ()]
+    if isinstance(layer, functools.partial):
+        held += [*layer.args, *layer.keywords.values()]
+    arrays = [x for x in jax.tree_util.tree_leaves(held) if isinstance(x, jax.Array | np.ndarray) and x.size > 1]
+    if arrays:
+        shapes = ", ".join(str(tuple(x.shape)) for x in arrays)
+        raise OffloadError(
+            f"the layer function closes over arrays (shapes {shapes}): every layer's program would carry them as "
+            "constants, and they would not be trained or offloaded. Pass them in the layer's params (or the "
+            "outer params), or make them Python numbers"
+        )
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None

@@ -1,0 +1,155 @@
+"""The plan of a layer-streamed model: its units (each layer, then the outer params), their subgroups, and
+the records that hold their params.
+
+A layer-streamed model is ``L`` layers of one shape (one layer's param tree, the same for each) and
+the outer params (embedding, head, final norm). The inner optimizer sees one tree, the *model tree*
+``{"layers": [layer_0, ..., layer_{L-1}], "outer": outer}``; its leaves are laid out unit by unit
+(layer 0's leaves, ..., layer L-1's, then the outer ones), and :func:`~jax_mlp._src.plan.partition.make_plan`
+never puts two units' pieces in one subgroup. Each subgroup has two records: its state record (index
+``k``, as in every plan) and its **params record** (index ``S + k`` of ``S`` subgroups): its pieces'
+params, which the forward and backward read and the update writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan import partition
+from jax_mlp._src.plan.partition import Plan, Subgroup
+from jax_mlp._src.storage.record import Field, RecordLayout
+
+
+class Unit(NamedTuple):
+    """What the step brings to the device at once: one layer, or the outer params.
+
+    Attributes:
+      name: ``"layer 3"`` or ``"outer"``, for messages.
+      leaves: its leaf indices in the model tree (contiguous).
+      subgroups: its subgroups' indices, in plan order.
+    """
+
+    name: str
+    leaves: range
+    subgroups: tuple[int, ...]
+
+
+class LayerPlan(NamedTuple):
+    """The plan of a layer-streamed model.
+
+    Attributes:
+      plan: the subgroups of the model tree, none spanning two units.
+      units: the layers in order, then the outer unit.
+      layer_treedef: one layer's param tree.
+      outer_treedef: the outer params' tree.
+      param_layouts: each subgroup's params record, by subgroup index.
+    """
+
+    plan: Plan
+    units: tuple[Unit, ...]
+    layer_treedef: Any
+    outer_treedef: Any
+    param_layouts: tuple[RecordLayout, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.units) - 1
+
+    @property
+    def outer(self) -> Unit:
+        return self.units[-1]
+
+    def params_record(self, subgroup: int) -> int:
+        """The record index of ``subgroup``'s params."""
+        return len(self.plan.subgroups) + subgroup
+
+    @property
+    def layouts(self) -> tuple[RecordLayout, ...]:
+        """Every record's layout by index: the state records, then the params records."""
+        return tuple(sg.layout for sg in self.plan.subgroups) + self.param_layouts
+
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of every params record's payload: the model's params as stored."""
+        return sum(layout.nbytes for layout in self.param_layouts)
+
+
+def model_tree(outer: Any, layers: Sequence[Any]) -> dict[str, Any]:
+    """The tree the inner optimizer sees: ``{"layers": [layer_0, ...], "outer": outer}``."""
+    return {"layers": list(layers), "outer": outer}
+
+
+def layer_shapes(stacked: Any, num_layers: int | None = None) -> tuple[Any, int]:
+    """One layer's param shapes, and the number of layers, from stacked layer params (leading axis: the layer).
+
+    Raises:
+      OffloadError: the leaves' leading axes differ, or are not ``num_layers`` when that is given.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(stacked)
+    if not leaves:
+        raise OffloadError("the stacked layer params have no leaves: give each layer's params stacked on axis 0")
+    counts = {x.shape[0] if x.shape else None for x in leaves}
+    if len(counts) != 1 or None in counts:
+        paths = partition.paths_of(stacked)
+        shapes = ", ".join(f"{p} {tuple(x.shape)}" for p, x in zip(paths, leaves, strict=True))
+        raise OffloadError(
+            f"the layers' params must be stacked on axis 0, one entry per layer, with the same count for every leaf; "
+            f"got {shapes}: stack layers of one shape (as nnx.vmap, nn.scan or jnp.stack make them)"
+        )
+    count = counts.pop()
+    if num_layers is not None and count != num_layers:
+        raise OffloadError(f"the stacked layer params hold {count} layers, but num_layers={num_layers}")
+    one = [jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, one), count
+
+
+def _param_layout(plan: Plan, subgroup: Subgroup) -> RecordLayout:
+    """A params record: each piece's params in the param dtype, back to back, 64-byte aligned."""
+    fields, offset = [], 0
+    for piece in subgroup.pieces:
+        spec = plan.leaves[piece.leaf]
+        field = Field(partition.piece_shape(spec, piece), np.dtype(spec.dtype), offset)
+        fields.append(field)
+        offset = -(-(offset + field.nbytes) // partition.ALIGN) * partition.ALIGN
+    return RecordLayout(jax.tree_util.tree_structure([0] * len(fields)), tuple(fields), (), offset)
+
+
+def make_layer_plan(
+    outer: Any,
+    layer: Any,
+    num_layers: int,
+    make_plan: Any,
+) -> LayerPlan:
+    """The plan of ``num_layers`` layers of shapes ``layer`` and the ``outer`` params.
+
+    Args:
+      outer: the outer params, as arrays or ``jax.ShapeDtypeStruct``s.
+      layer: one layer's params, as shapes.
+      num_layers: how many layers.
+      make_plan: ``make_plan(model_tree, unit_of)``: the plan of the model tree with each leaf's unit
+        (the offload's optimizer check and partition, given its options).
+
+    Returns:
+      The plan, whose subgroups each hold pieces of one unit.
+    """
+    layer_leaves, layer_treedef = jax.tree_util.tree_flatten(layer)
+    outer_leaves, outer_treedef = jax.tree_util.tree_flatten(outer)
+    per_layer = len(layer_leaves)
+    tree = model_tree(outer, [layer] * num_layers)
+    unit_of = [leaf // per_layer for leaf in range(per_layer * num_layers)] + [num_layers] * len(outer_leaves)
+    plan = make_plan(tree, unit_of)
+    units = []
+    for index in range(num_layers + 1):
+        leaves = (
+            range(index * per_layer, (index + 1) * per_layer)
+            if index < num_layers
+            else range(num_layers * per_layer, num_layers * per_layer + len(outer_leaves))
+        )
+        subgroups = tuple(sg.index for sg in plan.subgroups if sg.pieces[0].leaf in leaves)
+        units.append(Unit(f"layer {index}" if index < num_layers else "outer", leaves, subgroups))
+    layouts = tuple(_param_layout(plan, sg) for sg in plan.subgroups)
+    return LayerPlan(plan, tuple(units), layer_treedef, outer_treedef, layouts)
