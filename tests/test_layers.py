@@ -20,7 +20,7 @@ import pytest
 from helpers import assert_bf16_within_ulp, assert_close_to_optax, assert_same_bits
 
 import jax_mlp
-from jax_mlp._src.offload.layers import _Jitted
+from jax_mlp._src.plan.layer_programs import LayerPrograms
 
 VOCAB, WIDTH, LAYERS, BATCH = 32, 16, 4, 8
 
@@ -98,7 +98,7 @@ def per_layer_grads(jitted, tree, batch, microbatches=1):
 def in_memory_reference(inner, outer, stacked, steps, tmp_path, *, microbatches=1, clip=None, **options):
     """The same per-layer programs in memory, updated by ``mlp_offload``'s fused apply on the model tree (params on
     the device), the clipping ``optax.clip_by_global_norm``'s own."""
-    jitted = _Jitted(STACK)
+    jitted = LayerPrograms(STACK)
     count = jax.tree.leaves(stacked)[0].shape[0]
     tree = {"layers": unstack(stacked, count), "outer": jax.tree.map(jnp.copy, outer)}  # apply consumes them
     clipping = None if clip is None else optax.clip_by_global_norm(clip)

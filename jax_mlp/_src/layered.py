@@ -16,7 +16,8 @@ import optax
 
 from jax_mlp._src.config import OffloadConfig, OffloadOptions
 from jax_mlp._src.errors import OffloadError
-from jax_mlp._src.offload.layers import LayerStack, LayerStream
+from jax_mlp._src.offload.layers import LayerStream
+from jax_mlp._src.plan.layer_programs import LayerStack
 from jax_mlp._src.stats import UpdateStats, stats_callback
 
 __all__ = ["LayerStack", "LayerStream", "nnx_layer_stack", "stream_layers"]

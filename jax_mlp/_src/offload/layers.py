@@ -24,9 +24,7 @@ next, so its params are read once per step, and its grads are summed in micro-ba
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -39,241 +37,25 @@ from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import inputs, planning, resume, window
 from jax_mlp._src.offload.offloader import ClosesOnExit
-from jax_mlp._src.parsing import format_bytes
 from jax_mlp._src.plan import layers as layer_plans
-from jax_mlp._src.plan.layers import LayerPlan, Unit
-from jax_mlp._src.plan.partition import Piece, Subgroup
-from jax_mlp._src.plan.programs import Programs, SubgroupUpdate, Uniform
+from jax_mlp._src.plan.layer_programs import (
+    LayerPrograms,
+    LayerStack,
+    check_closure,
+    clipped,
+    micro_mean,
+    split_batch,
+    squares,
+)
+from jax_mlp._src.plan.layers import LayerPlan, Unit, backward_order, check_host_memory
+from jax_mlp._src.plan.partition import Piece
+from jax_mlp._src.plan.programs import Uniform
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stats import UpdateStats
-from jax_mlp._src.storage.buffers import POOL_BYTES
 from jax_mlp._src.storage.paths import open_configured, release_paths
-from jax_mlp._src.stream.blocks import Blocks, Staging
 from jax_mlp._src.stream.build import build_stream
-from jax_mlp._src.stream.state_stream import EAGER, StateStream, Transaction
-
-
-class LayerStack(NamedTuple):
-    """A model as a stack of identical layers between outer params: three pure functions.
-
-    Attributes:
-      embed: ``embed(outer, batch) -> x``, the activations entering layer 0.
-      layer: ``layer(layer_params, x) -> x``, one layer; every layer has params of the same tree and shapes.
-      head: ``head(outer, x, batch) -> loss``, a scalar, from the last layer's output.
-    """
-
-    embed: Callable[[Any, Any], Any]
-    layer: Callable[[Any, Any], Any]
-    head: Callable[[Any, Any, Any], jax.Array]
-
-
-class _Jitted:
-    """The per-layer programs of one stack: forward, backward with recompute, the embedding and the head."""
-
-    def __init__(self, stack: LayerStack):
-        self.layer = jax.jit(stack.layer)
-        self.embed = jax.jit(stack.embed)
-
-        @jax.jit
-        def layer_backward(params: Any, x: Any, gy: Any) -> tuple[Any, Any]:
-            _, vjp = jax.vjp(stack.layer, params, x)
-            gp, gx = vjp(gy)
-            return gx, gp
-
-        @jax.jit
-        def embed_backward(outer: Any, batch: Any, gx: Any) -> Any:
-            _, vjp = jax.vjp(lambda o: stack.embed(o, batch), outer)
-            return vjp(gx)[0]
-
-        self.layer_backward = layer_backward
-        self.embed_backward = embed_backward
-        self.head = jax.jit(jax.value_and_grad(stack.head, argnums=(0, 1)))
-
-
-@jax.jit
-def _mean(grads: Sequence[Any]) -> Any:
-    """The mean of the micro-batches' grads, summed in their order, in float32 (then each leaf's dtype)."""
-    total = grads[0]
-    total = jax.tree.map(lambda g: g.astype(jnp.float32), total)
-    for g in grads[1:]:
-        total = jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, g)
-    return jax.tree.map(lambda t, g: (t / len(grads)).astype(g.dtype), total, grads[0])
-
-
-@jax.jit
-def _squares(leaves: Sequence[jax.Array]) -> list[jax.Array]:
-    """Each leaf's sum of squares, as ``optax.global_norm`` sums it (``optax``'s ``abs_sq``)."""
-    return [jnp.sum((x.conj() * x).real) for x in leaves]
-
-
-@jax.jit
-def _clipped(leaves: Sequence[jax.Array], norm: jax.Array, max_norm: float) -> list[jax.Array]:
-    """The leaves as ``optax.clip_by_global_norm(max_norm)`` gives them for a global norm ``norm``."""
-    trigger = jnp.squeeze(norm < max_norm)
-    return [jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm) for t in leaves]
-
-
-class Inbox(Mapping):
-    """Blocks handed to the update as the backward makes them, by key; a program waits for its own.
-
-    Args:
-      timeout: seconds a program waits for a block before the step fails (``io_timeout``).
-    """
-
-    def __init__(self, timeout: float):
-        self._blocks: dict[Any, jax.Array] = {}
-        self._condition = threading.Condition()
-        self._cancelled: str | None = None
-        self._timeout = timeout
-
-    def file(self, blocks: Mapping[Any, jax.Array]) -> None:
-        with self._condition:
-            self._blocks.update(blocks)
-            self._condition.notify_all()
-
-    def cancel(self, reason: str) -> None:
-        """Calls the update off: a program waiting for a block raises."""
-        with self._condition:
-            self._cancelled = reason
-            self._condition.notify_all()
-
-    def pop(self, key: Any, default: Any = None) -> Any:
-        with self._condition:
-            value = self._blocks.pop(key, default)
-            self._condition.notify_all()
-            return value
-
-    def wait_until_taken(self) -> None:
-        """Waits until every block filed so far has been taken (or the update was called off, or it timed out).
-
-        The backward files a unit's blocks only once the update has taken the previous unit's, so the
-        device holds one unit's grads waiting, besides the unit the backward computes.
-        """
-        with self._condition:
-            if not self._condition.wait_for(lambda: not self._blocks or self._cancelled, self._timeout):
-                raise OffloadError(f"the update did not take a layer's grads within io_timeout={self._timeout:g}s")
-
-    def __getitem__(self, key: Any) -> jax.Array:
-        with self._condition:
-            ready = self._condition.wait_for(lambda: key in self._blocks or self._cancelled, self._timeout)
-            if self._cancelled:
-                raise OffloadError(f"the layer-streamed update was called off: {self._cancelled}")
-            if not ready:
-                raise OffloadError(f"the backward did not hand over param {key} within io_timeout={self._timeout:g}s")
-            return self._blocks[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-class LayerResults:
-    """Each subgroup's fused apply on the params and grads the backward handed over: its new params go to its
-    params record; a leaf's grads and params leave the device once its last subgroup has run.
-
-    A row chunk's program writes its rows into its leaf's params block, which the leaf's next chunk
-    takes, so each leaf is updated in place as in ``apply``.
-    """
-
-    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[int, int]):
-        self._plan, self._inbox = plan, inbox
-        self._uses = dict(uses)
-        self._blocks: dict[Any, jax.Array] = {}
-
-    def compute(self, programs: Programs, subgroup: Subgroup, blocks: Blocks, fields: tuple) -> SubgroupUpdate:
-        keys = [(p.leaf, p.device) for p in subgroup.pieces]
-        params = [self._params_block(key) for key in keys]
-        out = programs.apply(subgroup, blocks.args(subgroup, fields), params)
-        pieces = []
-        for piece, key, block in zip(subgroup.pieces, keys, out.outputs, strict=True):
-            pieces.append(block if piece.rows is None else block[piece.rows[0] : piece.rows[1]])
-            self._uses[piece.leaf] -= 1
-            if self._uses[piece.leaf]:
-                self._blocks[key] = block
-            else:
-                grads = self._inbox.pop(("grads", key))
-                if grads is not None:
-                    grads.delete()
-        blocks.staging.done(subgroup)
-        return out._replace(param_pieces=pieces)
-
-    def _params_block(self, key: Any) -> jax.Array:
-        """A leaf's params block: as its previous row chunk left it, else as the backward handed it over."""
-        if key in self._blocks:
-            return self._blocks.pop(key)
-        block = self._inbox["params", key]
-        self._inbox.pop(("params", key))
-        return block
-
-    def result(self) -> dict:
-        return {}
-
-
-class _GradsView(Mapping):
-    """``Blocks.grads`` of the update: the inbox's grads by key."""
-
-    def __init__(self, inbox: Inbox):
-        self._inbox = inbox
-
-    def __getitem__(self, key: Any) -> jax.Array:
-        return self._inbox["grads", key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-class _Update:
-    """One step's update: a transaction of the state stream, streaming on its own thread as grads come in."""
-
-    def __init__(self, stream: StateStream, plan: Any, uniform: Uniform, device: jax.Device, timeout: float):
-        self.inbox = Inbox(timeout)
-        uses: dict[int, int] = {}
-        for sg in plan.subgroups:
-            for p in sg.pieces:
-                uses[p.leaf] = uses.get(p.leaf, 0) + 1
-        devices = [device] * len(plan.subgroups)
-        blocks = Blocks(_GradsView(self.inbox), None, devices, uniform, Staging(plan, ["device"] * len(plan.leaves)))
-        self._stream = stream
-        self.transaction: Transaction = stream.begin(cache_state=False)
-        self.outcome: Any = None
-        self._done = threading.Event()
-        results = LayerResults(plan, self.inbox, uses)
-
-        def run() -> None:
-            try:
-                self.outcome = stream.stream_subgroups(self.transaction, blocks, EAGER, results)
-            except BaseException as error:
-                self.outcome = error
-            finally:
-                self._done.set()
-
-        self._thread = threading.Thread(target=run, daemon=True, name="jax_mlp-layers-update")
-        self._thread.start()
-
-    def hand_over(self, keys: Sequence[Any], grads: Sequence[jax.Array], params: Sequence[jax.Array]) -> None:
-        """Files a unit's grads and params blocks for the update, once it has taken the previous unit's."""
-        self.inbox.wait_until_taken()
-        blocks = {("grads", key): g for key, g in zip(keys, grads, strict=True)}
-        blocks.update({("params", key): p for key, p in zip(keys, params, strict=True)})
-        self.inbox.file(blocks)
-
-    def finish(self) -> tuple[Any, Any, int]:
-        """Waits for the stream; raises what it raised (the transaction is then still to be aborted)."""
-        self._done.wait()
-        if isinstance(self.outcome, BaseException):
-            raise self.outcome
-        return self.outcome
-
-    def abort(self, reason: str) -> None:
-        """Calls the update off and undoes its transaction: the tiers keep the step they held."""
-        self.inbox.cancel(reason)
-        self._done.wait()
-        self._stream.abort(self.transaction)
+from jax_mlp._src.stream.layer_update import LayerUpdate
+from jax_mlp._src.stream.state_stream import StateStream
 
 
 class LayerStream(ClosesOnExit):
@@ -310,7 +92,7 @@ class LayerStream(ClosesOnExit):
         self.microbatches = microbatches
         self.resume = resume
         self.on_stats = on_stats
-        self._jitted = _Jitted(stack)
+        self._jitted = LayerPrograms(stack)
         host_memory.return_large_buffers_to_the_os()
         self._plan: LayerPlan | None = None
         self._stream: StateStream | None = None
@@ -512,16 +294,16 @@ class LayerStream(ClosesOnExit):
         del xs
 
         scale = None
-        update = _Update(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+        update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
         try:
-            squares = self._backward(update, micro, kept, head_grads, gys, step, scale)
+            sums = self._backward(update, micro, kept, head_grads, gys, step, scale)
             if self.max_grad_norm is not None:
-                norm = jnp.sqrt(sum(squares[i] for i in range(len(plan.plan.leaves))))
+                norm = jnp.sqrt(sum(sums[i] for i in range(len(plan.plan.leaves))))
                 if not bool(norm < self.max_grad_norm):
                     scale = norm
                     update.abort("the clipping fired: the step is redone with the clipped grads")
                     self.rolled_back += 1
-                    update = _Update(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+                    update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
                     self._backward(update, micro, kept, head_grads, gys, step, scale)
             _, timings, compiles = update.finish()
         except BaseException:
@@ -543,7 +325,7 @@ class LayerStream(ClosesOnExit):
 
     def _backward(
         self,
-        update: _Update,
+        update: LayerUpdate,
         micro: Sequence[Any],
         kept: list[Sequence[Any] | None],
         head_grads: Sequence[Any],
@@ -557,7 +339,7 @@ class LayerStream(ClosesOnExit):
           Each leaf's sum of squares of its unclipped grads (for the global norm), by leaf index.
         """
         plan = self._plan
-        squares: dict[int, jax.Array] = {}
+        sums: dict[int, jax.Array] = {}
         layer_units = plan.units[:-1]
         ahead = self._read_ahead(layer_units[::-1], step)
         gys = list(gys)
@@ -572,30 +354,30 @@ class LayerStream(ClosesOnExit):
             jax.block_until_ready(before)  # the layer after this one is done: two layers' backward at most in flight
             if self.max_grad_norm is None:  # no redo can need the layer's input again
                 kept[index] = None
-            self._hand_over(update, unit, params_leaves, grads, squares, norm)
+            self._hand_over(update, unit, params_leaves, grads, sums, norm)
         outer_leaves = self._unit_params(plan.outer, step).result()  # the update donates what it is handed
         outer = self._tree(plan.outer, outer_leaves)
         embed_grads = [self._jitted.embed_backward(outer, b, gy) for b, gy in zip(micro, gys, strict=True)]
         outer_grads = [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)]
-        self._hand_over(update, plan.outer, outer_leaves, outer_grads, squares, norm)
-        return squares
+        self._hand_over(update, plan.outer, outer_leaves, outer_grads, sums, norm)
+        return sums
 
     def _hand_over(
         self,
-        update: _Update,
+        update: LayerUpdate,
         unit: Unit,
         params: Sequence[jax.Array],
         grads: Sequence[Any],
-        squares: dict[int, jax.Array],
+        sums: dict[int, jax.Array],
         norm: jax.Array | None,
     ) -> None:
-        """A unit's grads (the micro-batches' mean), and their squares for the norm, to the update."""
-        mean = grads[0] if len(grads) == 1 else _mean(grads)
+        """A unit's grads (the micro-batches' mean) to the update; each leaf's sum of squares into ``sums``."""
+        mean = grads[0] if len(grads) == 1 else micro_mean(grads)
         leaves = jax.tree_util.tree_leaves(mean)
-        for leaf, value in zip(unit.leaves, _squares(leaves), strict=True):
-            squares[leaf] = value
+        for leaf, value in zip(unit.leaves, squares(leaves), strict=True):
+            sums[leaf] = value
         if norm is not None:
-            leaves = _clipped(leaves, norm, self.max_grad_norm)
+            leaves = clipped(leaves, norm, self.max_grad_norm)
         keys = [(leaf, None) for leaf in unit.leaves]
         update.hand_over(keys, leaves, list(params))
 
@@ -650,43 +432,6 @@ class LayerStream(ClosesOnExit):
                 self._stream.close(delete=delete)
 
 
-def host_memory_needed(plan: LayerPlan, config: OffloadConfig, platform: str) -> dict[str, int]:
-    """What a layer-streamed run adds to host RAM, by part (bytes): the host cache; the record buffers (those in
-    flight, or the pool that keeps them for reuse, up to ``POOL_BYTES``); and the units staged: on a CPU
-    backend, where device memory is host RAM, eight units' worth (the params of three units: the one
-    computing, the one read ahead, the one handed to the update; the grads of two; the new params of one;
-    and the host copies of the units read ahead), measured at 5.4 GiB resident for 4.5 GiB of params with a
-    1.5 GiB cache; elsewhere the host copies of the two units read ahead."""
-    sizes = [sum(plan.param_layouts[k].nbytes for k in unit.subgroups) for unit in plan.units]
-    records = [sg.layout.nbytes for sg in plan.plan.subgroups] + [layout.nbytes for layout in plan.param_layouts]
-    in_flight = 2 * (config.prefetch_depth + config.write_depth) * max(records)
-    return {
-        "host_cache": config.host_cache,
-        "record buffers": max(in_flight, min(POOL_BYTES, sum(records))),
-        "units staged": (8 if platform == "cpu" else 2) * max(sizes),
-    }
-
-
-def check_host_memory(plan: LayerPlan, config: OffloadConfig, platform: str) -> None:
-    """Refuses, before anything is written, a run that would not fit under the memory cap of its cgroup.
-
-    Raises:
-      OffloadError: the cap is below the resident set now plus :func:`host_memory_needed`, naming each part.
-    """
-    cap = host_memory.memory_cap()
-    if cap is None:
-        return
-    parts = {"resident now": host_memory.resident_bytes(), **host_memory_needed(plan, config, platform)}
-    needed = sum(parts.values())
-    if needed > cap:
-        said = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items())
-        raise OffloadError(
-            f"this process's memory cap (cgroup) is {format_bytes(cap)}, but the layer-streamed run needs about "
-            f"{format_bytes(needed)} of host RAM ({said}); raise the cap, or lower host_cache, subgroup_size "
-            "(the record buffers) or the layers' width (the units staged)"
-        )
-
-
 class _Stacked(NamedTuple):
     """Layers given as stacked params."""
 
@@ -720,42 +465,3 @@ def _pieces_of(pieces: Sequence[Piece], blocks: Sequence[jax.Array]) -> list[jax
 
 def _as_arrays(tree: Any) -> Any:
     return jax.tree.map(jnp.asarray, tree)
-
-
-def backward_order(plan: LayerPlan) -> list[int]:
-    """The order the update takes the subgroups in: the layers last to first, then the outer unit."""
-    return [k for unit in (*plan.units[:-1][::-1], plan.outer) for k in unit.subgroups]
-
-
-def split_batch(batch: Any, microbatches: int) -> list[Any]:
-    """``batch`` cut into ``microbatches`` equal parts along axis 0."""
-    if microbatches == 1:
-        return [batch]
-    sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(batch)}
-    if len(sizes) != 1 or sizes.pop() % microbatches:
-        raise OffloadError(f"the batch's leading axis must be one size divisible by microbatches={microbatches}")
-    parts = jax.tree.map(lambda x: jnp.asarray(x).reshape(microbatches, -1, *x.shape[1:]), batch)
-    return [jax.tree.map(lambda x, m=m: x[m], parts) for m in range(microbatches)]
-
-
-def check_closure(layer: Callable[[Any, Any], Any]) -> None:
-    """Refuses a layer function that closes over arrays (in its closure, or bound by ``functools.partial``):
-    every layer's program would carry them as constants, neither trained nor offloaded."""
-    held = [_cell(cell) for cell in getattr(layer, "__closure__", None) or ()]
-    if isinstance(layer, functools.partial):
-        held += [*layer.args, *layer.keywords.values()]
-    arrays = [x for x in jax.tree_util.tree_leaves(held) if isinstance(x, jax.Array | np.ndarray) and x.size > 1]
-    if arrays:
-        shapes = ", ".join(str(tuple(x.shape)) for x in arrays)
-        raise OffloadError(
-            f"the layer function closes over arrays (shapes {shapes}): every layer's program would carry them as "
-            "constants, and they would not be trained or offloaded. Pass them in the layer's params (or the "
-            "outer params), or make them Python numbers"
-        )
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return None

@@ -1,0 +1,185 @@
+"""The update of a layer-streamed step: a transaction of the state stream on its own thread, fed as the backward
+hands each layer over.
+
+The backward files each unit's grads and params in an :class:`Inbox`; the transaction streams the
+subgroups in the backward's order, each program waiting for its blocks; :class:`LayerResults` runs the
+fused apply on them and gives each subgroup's new params for its params record. The backward hands a
+unit over only once the update has taken the one before, so one unit's blocks wait on the device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan.partition import Subgroup
+from jax_mlp._src.plan.programs import Programs, SubgroupUpdate, Uniform
+from jax_mlp._src.stream.blocks import Blocks, Staging
+from jax_mlp._src.stream.state_stream import EAGER, StateStream, Transaction
+
+
+class Inbox(Mapping):
+    """Blocks handed to the update as the backward makes them, by key; a program waits for its own.
+
+    Args:
+      timeout: seconds a program waits for a block before the step fails (``io_timeout``).
+    """
+
+    def __init__(self, timeout: float):
+        self._blocks: dict[Any, jax.Array] = {}
+        self._condition = threading.Condition()
+        self._cancelled: str | None = None
+        self._timeout = timeout
+
+    def file(self, blocks: Mapping[Any, jax.Array]) -> None:
+        with self._condition:
+            self._blocks.update(blocks)
+            self._condition.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        """Calls the update off: a program waiting for a block raises."""
+        with self._condition:
+            self._cancelled = reason
+            self._condition.notify_all()
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        with self._condition:
+            value = self._blocks.pop(key, default)
+            self._condition.notify_all()
+            return value
+
+    def wait_until_taken(self) -> None:
+        """Waits until every block filed so far has been taken (or the update was called off, or it timed out).
+
+        The backward files a unit's blocks only once the update has taken the previous unit's, so the
+        device holds one unit's grads waiting, besides the unit the backward computes.
+        """
+        with self._condition:
+            if not self._condition.wait_for(lambda: not self._blocks or self._cancelled, self._timeout):
+                raise OffloadError(f"the update did not take a layer's grads within io_timeout={self._timeout:g}s")
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        with self._condition:
+            ready = self._condition.wait_for(lambda: key in self._blocks or self._cancelled, self._timeout)
+            if self._cancelled:
+                raise OffloadError(f"the layer-streamed update was called off: {self._cancelled}")
+            if not ready:
+                raise OffloadError(f"the backward did not hand over param {key} within io_timeout={self._timeout:g}s")
+            return self._blocks[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class LayerResults:
+    """Each subgroup's fused apply on the params and grads the backward handed over: its new params go to its
+    params record; a leaf's grads and params leave the device once its last subgroup has run.
+
+    A row chunk's program writes its rows into its leaf's params block, which the leaf's next chunk
+    takes, so each leaf is updated in place as in ``apply``.
+    """
+
+    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[int, int]):
+        self._plan, self._inbox = plan, inbox
+        self._uses = dict(uses)
+        self._blocks: dict[Any, jax.Array] = {}
+
+    def compute(self, programs: Programs, subgroup: Subgroup, blocks: Blocks, fields: tuple) -> SubgroupUpdate:
+        keys = [(p.leaf, p.device) for p in subgroup.pieces]
+        params = [self._params_block(key) for key in keys]
+        out = programs.apply(subgroup, blocks.args(subgroup, fields), params)
+        pieces = []
+        for piece, key, block in zip(subgroup.pieces, keys, out.outputs, strict=True):
+            pieces.append(block if piece.rows is None else block[piece.rows[0] : piece.rows[1]])
+            self._uses[piece.leaf] -= 1
+            if self._uses[piece.leaf]:
+                self._blocks[key] = block
+            else:
+                grads = self._inbox.pop(("grads", key))
+                if grads is not None:
+                    grads.delete()
+        blocks.staging.done(subgroup)
+        return out._replace(param_pieces=pieces)
+
+    def _params_block(self, key: Any) -> jax.Array:
+        """A leaf's params block: as its previous row chunk left it, else as the backward handed it over."""
+        if key in self._blocks:
+            return self._blocks.pop(key)
+        block = self._inbox["params", key]
+        self._inbox.pop(("params", key))
+        return block
+
+    def result(self) -> dict:
+        return {}
+
+
+class _GradsView(Mapping):
+    """``Blocks.grads`` of the update: the inbox's grads by key."""
+
+    def __init__(self, inbox: Inbox):
+        self._inbox = inbox
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        return self._inbox["grads", key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class LayerUpdate:
+    """One step's update: a transaction of the state stream, streaming on its own thread as grads come in."""
+
+    def __init__(self, stream: StateStream, plan: Any, uniform: Uniform, device: jax.Device, timeout: float):
+        self.inbox = Inbox(timeout)
+        uses: dict[int, int] = {}
+        for sg in plan.subgroups:
+            for p in sg.pieces:
+                uses[p.leaf] = uses.get(p.leaf, 0) + 1
+        devices = [device] * len(plan.subgroups)
+        blocks = Blocks(_GradsView(self.inbox), None, devices, uniform, Staging(plan, ["device"] * len(plan.leaves)))
+        self._stream = stream
+        self.transaction: Transaction = stream.begin(cache_state=False)
+        self.outcome: Any = None
+        self._done = threading.Event()
+        results = LayerResults(plan, self.inbox, uses)
+
+        def run() -> None:
+            try:
+                self.outcome = stream.stream_subgroups(self.transaction, blocks, EAGER, results)
+            except BaseException as error:
+                self.outcome = error
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, daemon=True, name="jax_mlp-layers-update")
+        self._thread.start()
+
+    def hand_over(self, keys: Sequence[Any], grads: Sequence[jax.Array], params: Sequence[jax.Array]) -> None:
+        """Files a unit's grads and params blocks for the update, once it has taken the previous unit's."""
+        self.inbox.wait_until_taken()
+        blocks = {("grads", key): g for key, g in zip(keys, grads, strict=True)}
+        blocks.update({("params", key): p for key, p in zip(keys, params, strict=True)})
+        self.inbox.file(blocks)
+
+    def finish(self) -> tuple[Any, Any, int]:
+        """Waits for the stream; raises what it raised (the transaction is then still to be aborted)."""
+        self._done.wait()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def abort(self, reason: str) -> None:
+        """Calls the update off and undoes its transaction: the tiers keep the step they held."""
+        self.inbox.cancel(reason)
+        self._done.wait()
+        self._stream.abort(self.transaction)
