@@ -309,8 +309,8 @@ def test_kill_9_mid_step_resumes_from_the_tiers_bitwise(point, tmp_path):
 
 
 def test_each_step_moves_the_bytes_of_the_plan_command_formula(tmp_path):
-    """Without a host cache: the forward and the backward each read every params record, the update reads every
-    state record and writes both. The library's counts are ``jax-mlp plan --params-in tiers``'s formula exactly,
+    """Without a host cache: the forward reads every params record, the backward every one but the last layer's
+    (still on the device), the update reads every state record and writes both. The library's counts are ``jax-mlp plan --params-in tiers``'s formula exactly,
     every step, and each path's are its share within one record."""
     from jax_mlp._src.cli.streamed import streamed_bytes
 
@@ -320,7 +320,8 @@ def test_each_step_moves_the_bytes_of_the_plan_command_formula(tmp_path):
         state = stream.init(outer, stacked)
         records = stream._stream.record_bytes
         subgroups = len(stream.plan.plan.subgroups)
-        read, write = streamed_bytes(sum(records[subgroups:]), sum(records[:subgroups]), 0)
+        last_layer = sum(records[subgroups + k] for k in stream.plan.units[-2].subgroups)
+        read, write = streamed_bytes(sum(records[subgroups:]), sum(records[:subgroups]), 0, last_layer)
         shares = stream._stream.scheduler.shares  # the model's best split, as plan computes it
         for step in range(3):
             _, state = stream.step(state, batch_at(step))

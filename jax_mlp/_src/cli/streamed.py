@@ -1,13 +1,14 @@
 """``jax-mlp plan --params-in tiers``: a layer-streamed run (``jax_mlp.stream_layers``) sized per step and per path.
 
 The run keeps its params, grads and optimizer state in the tiers (docs/layers.md). Each step the
-forward and the backward read every params record (less the turnarounds a host cache keeps), the
-update reads every state record, and both are written once. Per process and per step:
+forward reads every params record and the backward every one but the last layer's, which stays on
+the device (less the turnarounds a host cache keeps), the update reads every state record, and both
+are written once. Per process and per step:
 
-- reads ``2 (P - min(C, P)) + S``, writes ``P + S``, with ``P`` the params records' bytes, ``S`` the
-  state records' and ``C`` the host cache: the forward's first units are the update's last writes,
-  and the backward's first units the forward's last reads, each up to ``C``; a clipping that fires
-  adds up to ``P + S`` each way;
+- reads ``(P - min(C, P)) + (P - U - min(C, P - U)) + S``, writes ``P + S``, with ``P`` the params
+  records' bytes, ``U`` one layer's, ``S`` the state records' and ``C`` the host cache: the forward's
+  first units are the update's last writes, and the backward's first units the forward's last reads,
+  each up to ``C``; a clipping that fires adds up to ``P + S`` each way;
 - split over the paths in the shares of the model's best split, each path busy for its bytes at its
   rates; the step takes the longest of its paths and the forward and backward;
 - every written byte wears the drives: bytes written per day per path, against an endurance.
@@ -49,11 +50,14 @@ class StreamedStep(NamedTuple):
     seconds: float | None
 
 
-def streamed_bytes(params_bytes: float, state_bytes: float, cache_bytes: float) -> tuple[float, float]:
-    """``(read, write)`` bytes of one step: the params read twice (less the cache's turnarounds) and the state once,
-    and both written once."""
-    turnaround = min(cache_bytes, params_bytes)
-    return 2 * (params_bytes - turnaround) + state_bytes, params_bytes + state_bytes
+def streamed_bytes(
+    params_bytes: float, state_bytes: float, cache_bytes: float, layer_bytes: float
+) -> tuple[float, float]:
+    """``(read, write)`` bytes of one step: the params read by the forward and, but for the last layer's
+    ``layer_bytes``, by the backward (less the cache's turnarounds), the state once, and both written once."""
+    backward = params_bytes - layer_bytes
+    read = params_bytes - min(cache_bytes, params_bytes) + backward - min(cache_bytes, backward) + state_bytes
+    return read, params_bytes + state_bytes
 
 
 def streamed_step(
@@ -63,7 +67,7 @@ def streamed_step(
     processes = work.nodes * work.processes_per_node
     params = work.params * work.param_bytes / processes
     state = work.state_bytes
-    read, write = streamed_bytes(params, state, cache_bytes)
+    read, write = streamed_bytes(params, state, cache_bytes, params / work.layers)
     shares = best_split(speeds)
     paths = []
     for speed, share in zip(speeds, shares, strict=True):
@@ -79,7 +83,7 @@ def print_streamed(step: StreamedStep, work: Workload, endurance: float | None) 
     """The tables of a layer-streamed run: bytes per step per path, wear, device memory."""
     print(
         f"layer-streamed step (--params-in tiers): params records {format_bytes(step.params_bytes)}, state records "
-        f"{format_bytes(step.state_bytes)} per process; reads {format_bytes(step.read_bytes)} (2P - cache + S), "
+        f"{format_bytes(step.state_bytes)} per process; reads {format_bytes(step.read_bytes)} (2P - U - cache + S), "
         f"writes {format_bytes(step.write_bytes)} (P + S) per step; a device holds "
         f"{format_bytes(step.device_bytes)} of params and grads ({work.layers} layers: 3 layers' params, 2 layers' "
         "grads, 1 layer's new params) besides the activations"

@@ -47,7 +47,7 @@ from jax_mlp._src.plan.layer_programs import (
     split_batch,
     squares,
 )
-from jax_mlp._src.plan.layers import LayerPlan, Unit, backward_order, check_host_memory
+from jax_mlp._src.plan.layers import LayerPlan, Unit, backward_order, check_host_memory, stream_config
 from jax_mlp._src.plan.partition import Piece
 from jax_mlp._src.plan.programs import Uniform
 from jax_mlp._src.state import OffloadState
@@ -189,7 +189,14 @@ class LayerStream(ClosesOnExit):
         try:
             resume.check_paths(paths, plan.plan, config.subgroup_size, intent="resume" if self.resume else "init")
             stream = build_stream(
-                self.inner, config, plan.plan, paths, "jax_mlp/layers", self.on_stats, {}, plan.param_layouts
+                self.inner,
+                stream_config(plan, config),
+                plan.plan,
+                paths,
+                "jax_mlp/layers",
+                self.on_stats,
+                {},
+                plan.param_layouts,
             )
         except BaseException:
             release_paths(paths)
@@ -278,25 +285,25 @@ class LayerStream(ClosesOnExit):
         outer = self._tree(outer_unit, self._unit_params(outer_unit, step).result())
         xs = [self._jitted.embed(outer, b) for b in micro]
         kept: list[list[Any]] = []
-        ahead = self._read_ahead(layer_units, step)
-        for index in range(len(layer_units)):
-            params = self._tree(layer_units[index], next(ahead).result())
-            kept.append(xs)
-            xs = [self._jitted.layer(params, x) for x in xs]
-            del params
-            jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
-        losses, head_grads, gys = [], [], []
-        for x, b in zip(xs, micro, strict=True):
-            loss, (g_outer, gy) = self._jitted.head(outer, x, b)
-            losses.append(loss)
-            head_grads.append(g_outer)
-            gys.append(gy)
-        del xs
-
+        ahead = self._read_ahead(layer_units, step, max(1, self.config.prefetch_depth // 2))
+        update = None
         scale = None
-        update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
         try:
-            sums = self._backward(update, micro, kept, head_grads, gys, step, scale)
+            for index in range(len(layer_units)):
+                last = next(ahead).result()  # the last layer's stay on the device for the backward's first
+                if index == len(layer_units) - 1:  # the forward's reads are done: the update's state reads begin
+                    update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+                kept.append(xs)
+                xs = [self._jitted.layer(self._tree(layer_units[index], last), x) for x in xs]
+                jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
+            losses, head_grads, gys = [], [], []
+            for x, b in zip(xs, micro, strict=True):
+                loss, (g_outer, gy) = self._jitted.head(outer, x, b)
+                losses.append(loss)
+                head_grads.append(g_outer)
+                gys.append(gy)
+            del xs
+            sums = self._backward(update, micro, kept, head_grads, gys, step, scale, last)
             if self.max_grad_norm is not None:
                 norm = jnp.sqrt(sum(sums[i] for i in range(len(plan.plan.leaves))))
                 if not bool(norm < self.max_grad_norm):
@@ -304,18 +311,18 @@ class LayerStream(ClosesOnExit):
                     update.abort("the clipping fired: the step is redone with the clipped grads")
                     self.rolled_back += 1
                     update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
-                    self._backward(update, micro, kept, head_grads, gys, step, scale)
+                    self._backward(update, micro, kept, head_grads, gys, step, scale, None)
             _, timings, compiles = update.finish()
         except BaseException:
-            update.abort("the step failed")
+            if update is not None:
+                update.abort("the step failed")
             raise
         stream.end(update.transaction, timings, compiles, {"rolled_back": scale is not None})
         loss = losses[0] if len(losses) == 1 else jnp.mean(jnp.stack(losses))
         return loss, OffloadState(jnp.asarray(stream.step, jnp.int32), new_shared)
 
-    def _read_ahead(self, units: Sequence[Unit], step: int) -> Iterator[concurrent.futures.Future]:
-        """Each unit's params future in order, ``prefetch_depth`` units ahead of the one computing."""
-        depth = max(1, self.config.prefetch_depth // 2)
+    def _read_ahead(self, units: Sequence[Unit], step: int, depth: int) -> Iterator[concurrent.futures.Future]:
+        """Each unit's params future in order, read ``depth`` units ahead of the one computing."""
         futures = [self._unit_params(unit, step) for unit in units[:depth]]
         for index in range(len(units)):
             if index + depth < len(units):
@@ -332,8 +339,14 @@ class LayerStream(ClosesOnExit):
         gys: Sequence[Any],
         step: int,
         norm: jax.Array | None,
+        turnaround: list[jax.Array] | None,
     ) -> dict[int, jax.Array]:
         """The backward in reverse, each unit's grads (clipped by ``norm``, if given) handed to ``update``.
+
+        ``turnaround``, the last layer's params as the forward left them on the device, saves reading them
+        again (the update takes them: a redo reads them). The params are read one unit ahead, as the update's
+        state is: the writes, which bound the step, follow the state reads, which would queue behind params
+        read further ahead.
 
         Returns:
           Each leaf's sum of squares of its unclipped grads (for the global norm), by leaf index.
@@ -341,11 +354,12 @@ class LayerStream(ClosesOnExit):
         plan = self._plan
         sums: dict[int, jax.Array] = {}
         layer_units = plan.units[:-1]
-        ahead = self._read_ahead(layer_units[::-1], step)
+        order = [*layer_units[::-1], plan.outer]
+        ahead = self._read_ahead(order if turnaround is None else order[1:], step, 1)  # the state beside
         gys = list(gys)
         for index in reversed(range(len(layer_units))):
             unit = layer_units[index]
-            params_leaves = next(ahead).result()
+            params_leaves, turnaround = (next(ahead).result(), None) if turnaround is None else (turnaround, None)
             params = self._tree(unit, params_leaves)
             grads, before = [], list(gys)
             for m, x in enumerate(kept[index]):
@@ -355,7 +369,7 @@ class LayerStream(ClosesOnExit):
             if self.max_grad_norm is None:  # no redo can need the layer's input again
                 kept[index] = None
             self._hand_over(update, unit, params_leaves, grads, sums, norm)
-        outer_leaves = self._unit_params(plan.outer, step).result()  # the update donates what it is handed
+        outer_leaves = next(ahead).result()  # read again: the update donates what it is handed
         outer = self._tree(plan.outer, outer_leaves)
         embed_grads = [self._jitted.embed_backward(outer, b, gy) for b, gy in zip(micro, gys, strict=True)]
         outer_grads = [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)]

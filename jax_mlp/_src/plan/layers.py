@@ -12,6 +12,7 @@ params, which the forward and backward read and the update writes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -162,6 +163,18 @@ def make_layer_plan(
 def backward_order(plan: LayerPlan) -> list[int]:
     """The order the update takes the subgroups in: the layers last to first, then the outer unit."""
     return [k for unit in (*plan.units[:-1][::-1], plan.outer) for k in unit.subgroups]
+
+
+def stream_config(plan: LayerPlan, config: OffloadConfig) -> OffloadConfig:
+    """The options the update's state stream runs with: nothing read between steps, and the state read one unit
+    ahead of the update.
+
+    A step's reads are the forward's params, then, in the backward, each unit's params and state. Read
+    earlier (between steps, or further ahead), the state would queue before the params the forward and
+    the backward wait on, and the update, whose writes bound the step, would start late.
+    """
+    one_unit = max(len(unit.subgroups) for unit in plan.units)
+    return dataclasses.replace(config, idle_prefetch=False, prefetch_depth=min(config.prefetch_depth, one_unit))
 
 
 def host_memory_needed(plan: LayerPlan, config: OffloadConfig, platform: str) -> dict[str, int]:
