@@ -7,7 +7,8 @@ of jitted per-layer programs, with no callbacks:
 - **forward**, layer by layer: each unit's params come from its params records (host cache first),
   read ahead while the previous layer computes; each layer's input is kept on the device;
 - **backward**, in reverse, recomputing inside each layer (``jax.vjp`` of the layer on its kept
-  input); the params are read again (the last layers of the forward are still in the cache);
+  input); the last layer's params are the forward's, each earlier layer's are read again, one layer
+  ahead, beside the update's state (nothing is read between steps: :func:`stream_config`);
 - **update**, during the backward: the grads of a unit go to the update by a plain call as soon as
   its backward program returns. The update is one transaction of the state stream on its own thread,
   in the backward's order; each subgroup's fused apply program writes its new state record and its
