@@ -348,14 +348,15 @@ def test_a_host_cache_keeps_the_turnarounds(tmp_path):
         assert stream.stats.cache_hits > 0
 
 
-def _live_device_bytes() -> int:
+def _live_device_bytes(kind: str = "device") -> int:
+    """Bytes of the live arrays in memory ``kind`` (on CPU, device memory is the live jax arrays)."""
     seen, total = set(), 0
     for array in jax.live_arrays():
         if array.is_deleted():
             continue
         for shard in array.addressable_shards:
             key = (shard.device.id, shard.data.unsafe_buffer_pointer())
-            if key not in seen and shard.data.sharding.memory_kind == "device":
+            if key not in seen and shard.data.sharding.memory_kind == kind:
                 seen.add(key)
                 total += shard.data.nbytes
     return total
@@ -392,6 +393,48 @@ def test_the_device_holds_a_few_layers_not_the_model(tmp_path, monkeypatch):
     bound = 6 * layer_bytes + 2 * (2 * depth + 2) * record + 2 * 4 * (VOCAB + 3) * width + activations
     print(f"device bytes added during a step: {added}, bound {bound}, model {layers * layer_bytes}")
     assert added <= bound < layers * layer_bytes
+
+
+def test_layer_inputs_kept_in_host_memory_leave_the_device_and_change_no_bit(tmp_path, monkeypatch):
+    """With ``activations="pinned_host"`` each layer's input waits in host memory between the forward and the
+    backward: the device holds a few layers' inputs (the one computing, the one coming, the one just done), not
+    every layer's, and the params end bit for bit the same."""
+    from jax_mlp._src.plan import programs
+
+    layers, batch = 16, 512
+    outer, stacked = model(layers=layers)
+    input_bytes = batch * WIDTH * 4
+    sampled = {"device": [], "pinned_host": []}
+    run = programs.Executables.__call__
+
+    def sample(*args):
+        for kind, values in sampled.items():
+            values.append(_live_device_bytes(kind))
+        return run(*args)
+
+    monkeypatch.setattr(programs.Executables, "__call__", sample)
+    results, peaks = {}, {}
+    for kind in ("device", "pinned_host"):
+        with jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / kind], activations=kind) as stream:
+            state = stream.init(outer, stacked)
+            before = {k: _live_device_bytes(k) for k in sampled}
+            for values in sampled.values():
+                values.clear()
+            for step in range(2):
+                _, state = stream.step(state, batch_at(step, batch))
+            peaks[kind] = {k: max(values) - before[k] for k, values in sampled.items()}
+            results[kind] = stream.params()
+    assert_same_bits(results["pinned_host"], results["device"], "activations in pinned_host")
+    print(f"added bytes during a step, by where the inputs wait: {peaks}; one layer's input {input_bytes}")
+    assert peaks["device"]["device"] >= layers * input_bytes
+    assert peaks["pinned_host"]["device"] <= peaks["device"]["device"] - (layers - 4) * input_bytes
+    assert peaks["pinned_host"]["pinned_host"] >= (layers - 2) * input_bytes
+
+
+def test_activations_elsewhere_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(jax_mlp.OffloadError, match="activations must be one of 'device', 'pinned_host'"):
+        jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path], activations="disk")
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_linen_scan_model_streams_through_the_recipe(tmp_path):

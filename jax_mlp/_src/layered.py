@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 import jax
 import optax
@@ -29,6 +29,7 @@ def stream_layers(
     *,
     max_grad_norm: float | None = None,
     microbatches: int = 1,
+    activations: Literal["device", "pinned_host"] = "device",
     resume: bool = False,
     on_stats: Callable[[UpdateStats], None] | None = None,
     log_to: str | os.PathLike | None = None,
@@ -51,6 +52,9 @@ def stream_layers(
       max_grad_norm: clip the grads to this global norm, as ``optax.clip_by_global_norm`` does.
       microbatches: split each batch into this many micro-batches along axis 0; each layer runs them
         all before the next (layer-major), and their grads are averaged in order.
+      activations: where each layer's input waits between the forward and the backward: ``"device"``
+        (the default), or ``"pinned_host"`` for long sequences, whose inputs would crowd the device:
+        each is copied out as the forward makes it and back one layer ahead of its backward.
       resume: reopen the tiers at their last complete step.
       on_stats: called with each step's :class:`~jax_mlp.UpdateStats`.
       log_to: a file for one JSON line per ``init`` and step, as for ``mlp_offload``.
@@ -82,7 +86,14 @@ def stream_layers(
     config = OffloadConfig.of(options, "stream_layers")
     on_stats = stats_callback(on_stats, log_to, resume=resume)
     return LayerStream(
-        stack, inner, config, max_grad_norm=max_grad_norm, microbatches=microbatches, resume=resume, on_stats=on_stats
+        stack,
+        inner,
+        config,
+        max_grad_norm=max_grad_norm,
+        microbatches=microbatches,
+        activations=activations,
+        resume=resume,
+        on_stats=on_stats,
     )
 
 

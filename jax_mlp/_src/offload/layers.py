@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ from jax_mlp._src.plan.layer_programs import (
 from jax_mlp._src.plan.layers import LayerPlan, Unit, backward_order, check_host_memory, stream_config
 from jax_mlp._src.plan.partition import Piece
 from jax_mlp._src.plan.programs import Uniform
+from jax_mlp._src.plan.sharding import DEVICE_MEMORY, MEMORY_KINDS, in_memory
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stats import UpdateStats
 from jax_mlp._src.storage.paths import open_configured, release_paths
@@ -75,11 +76,17 @@ class LayerStream(ClosesOnExit):
         *,
         max_grad_norm: float | None,
         microbatches: int,
+        activations: Literal["device", "pinned_host"],
         resume: bool,
         on_stats: Callable[[UpdateStats], None] | None,
     ):
         if microbatches < 1:
             raise OffloadError(f"microbatches must be at least 1, got {microbatches}")
+        if activations not in MEMORY_KINDS:
+            raise OffloadError(
+                f"activations must be one of {', '.join(map(repr, MEMORY_KINDS))} (where each layer's input is kept "
+                f"between the forward and the backward), got {activations!r}"
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OffloadError(f"max_grad_norm must be positive, got {max_grad_norm}")
         if config.accumulate_steps > 1:
@@ -91,6 +98,7 @@ class LayerStream(ClosesOnExit):
         self.config = config
         self.max_grad_norm = max_grad_norm
         self.microbatches = microbatches
+        self.activations = activations
         self.resume = resume
         self.on_stats = on_stats
         self._jitted = LayerPrograms(stack)
@@ -294,7 +302,7 @@ class LayerStream(ClosesOnExit):
                 last = next(ahead).result()  # the last layer's stay on the device for the backward's first
                 if index == len(layer_units) - 1:  # the forward's reads are done: the update's state reads begin
                     update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
-                kept.append(xs)
+                kept.append([in_memory(x, self.activations) for x in xs])
                 xs = [self._jitted.layer(self._tree(layer_units[index], last), x) for x in xs]
                 jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
             losses, head_grads, gys = [], [], []
@@ -358,12 +366,14 @@ class LayerStream(ClosesOnExit):
         order = [*layer_units[::-1], plan.outer]
         ahead = self._read_ahead(order if turnaround is None else order[1:], step, 1)  # the state beside
         gys = list(gys)
+        inputs = _on_device(kept[-1])
         for index in reversed(range(len(layer_units))):
             unit = layer_units[index]
             params_leaves, turnaround = (next(ahead).result(), None) if turnaround is None else (turnaround, None)
             params = self._tree(unit, params_leaves)
+            xs, inputs = inputs, _on_device(kept[index - 1]) if index else None  # the next inputs come meanwhile
             grads, before = [], list(gys)
-            for m, x in enumerate(kept[index]):
+            for m, x in enumerate(xs):
                 gys[m], gp = self._jitted.layer_backward(params, x, gys[m])
                 grads.append(gp)
             jax.block_until_ready(before)  # the layer after this one is done: two layers' backward at most in flight
@@ -471,6 +481,11 @@ class _Initialised:
             first, self._first = self._first, None
             return first
         return self._make(index)
+
+
+def _on_device(xs: Sequence[jax.Array]) -> list[jax.Array]:
+    """A layer's kept inputs in device memory (copies dispatched, where they were kept in host memory)."""
+    return [in_memory(x, DEVICE_MEMORY) for x in xs]
 
 
 def _pieces_of(pieces: Sequence[Piece], blocks: Sequence[jax.Array]) -> list[jax.Array]:
