@@ -90,6 +90,9 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
         "plain": "plain",
     }
     assert result["transfer_paths"]["pinned_s"] > 0 and result["transfer"]["pinned_d2h_view"] > 0
+    layers = json.loads((tmp_path / "layers_step.json").read_text())  # the layer-streamed step, exact
+    assert layers["dry_run"] and layers["step"]["streamed_s"] > 0 and layers["exact"]["streamed_vs_cached_bitwise"]
+    assert layers["exact"]["vs_in_memory_over_max_p"] <= 1e-2, layers["exact"]  # one bf16 ulp of the largest param
 
 
 def test_efficiency_benchmark_writes_json_and_png(tmp_path):
