@@ -39,6 +39,7 @@ from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import inputs, planning, resume, window
 from jax_mlp._src.offload.offloader import ClosesOnExit
 from jax_mlp._src.plan import layers as layer_plans
+from jax_mlp._src.plan import partition
 from jax_mlp._src.plan.layer_programs import (
     LayerPrograms,
     LayerStack,
@@ -109,6 +110,7 @@ class LayerStream(ClosesOnExit):
             config.prefetch_depth, thread_name_prefix="jax_mlp-params"
         )
         self._device = jax.devices()[0]
+        self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
         self.rolled_back = 0
 
@@ -211,30 +213,39 @@ class LayerStream(ClosesOnExit):
             release_paths(paths)
             raise
         stream.scheduler.follow(backward_order(plan))
-        self._plan, self._stream = plan, stream
+        self._plan, self._stream, self._devices = plan, stream, plan.devices(self._device)
 
     def _write_initial_state(self, plan: LayerPlan, outer: Any, layer_of: Any) -> None:
         """Each subgroup's initial state and its params, computed from its unit's params (made once per unit)."""
         stream = self._stream
         unit_of_subgroup = {k: u for u, unit in enumerate(plan.units) for k in unit.subgroups}
-        held: dict[int, list[jax.Array]] = {}
+        held: dict[int, dict] = {}
 
-        def unit_leaves(u: int) -> list[jax.Array]:
+        def unit_blocks(u: int) -> dict:
             if u not in held:
                 held.clear()
                 tree = outer if u == plan.num_layers else layer_of.layer(u)
-                held[u] = [jax.device_put(jnp.asarray(x), self._device) for x in jax.tree_util.tree_leaves(tree)]
+                held[u] = self._blocks(plan.units[u], jax.tree_util.tree_leaves(tree))
             return held[u]
 
         def compute(index: int, _: Any) -> tuple:
             subgroup = plan.plan.subgroups[index]
-            unit = plan.units[unit_of_subgroup[index]]
-            leaves = unit_leaves(unit_of_subgroup[index])
-            blocks = [leaves[p.leaf - unit.leaves.start] for p in subgroup.pieces]
-            state, masters = stream.programs.init(subgroup, blocks, self._device)
+            placed = unit_blocks(unit_of_subgroup[index])
+            blocks = [placed[p.leaf, p.device] for p in subgroup.pieces]
+            state, masters = stream.programs.init(subgroup, blocks, self._devices[index])
             return state, masters, _pieces_of(subgroup.pieces, blocks)
 
         stream.write_populated(0, compute)
+
+    def _blocks(self, unit: Unit, leaves: Sequence[Any]) -> dict:
+        """A unit's leaves as blocks by (leaf, device id): a leaf on one device on the stream's, a sharded one's
+        shards as its plan shards it."""
+        shardings = self._plan.sharding.shardings
+        placed = [
+            jax.device_put(jnp.asarray(x), self._device) if shardings[i] is None else x
+            for i, x in zip(unit.leaves, leaves, strict=True)
+        ]
+        return self._plan.sharding.block_map(placed, unit.leaves)
 
     # ----------------------------------------------------------------------------- the step
 
@@ -244,17 +255,20 @@ class LayerStream(ClosesOnExit):
 
         def read() -> list[jax.Array]:
             specs = plan.plan.leaves
-            parts: dict[int, list[tuple[Piece, np.ndarray]]] = {}
+            parts: dict[tuple, list[tuple[Piece, np.ndarray]]] = {}
+            device_of: dict[tuple, jax.Device] = {}
             for k in unit.subgroups:
                 subgroup = plan.plan.subgroups[k]
                 for piece, value in zip(subgroup.pieces, stream.fetch_params(k, step), strict=True):
-                    parts.setdefault(piece.leaf, []).append((piece, value))
-            leaves = []
-            for leaf in unit.leaves:
-                chunks = sorted(parts[leaf], key=lambda pv: 0 if pv[0].rows is None else pv[0].rows[0])
+                    parts.setdefault((piece.leaf, piece.device), []).append((piece, value))
+                    device_of[piece.leaf, piece.device] = self._devices[k]
+            blocks = {}
+            for key, chunks in parts.items():
+                chunks.sort(key=lambda pv: 0 if pv[0].rows is None else pv[0].rows[0])
                 host = chunks[0][1] if len(chunks) == 1 else np.concatenate([v for _, v in chunks])
-                leaves.append(jax.device_put(host.reshape(specs[leaf].shape), self._device))
-            return leaves
+                shape = partition.piece_shape(specs[key[0]], chunks[0][0]._replace(rows=None))
+                blocks[key] = jax.device_put(host.reshape(shape), device_of[key])
+            return plan.sharding.assemble(plan.plan, blocks, unit.leaves)
 
         return self._readers.submit(read)
 
@@ -301,7 +315,7 @@ class LayerStream(ClosesOnExit):
             for index in range(len(layer_units)):
                 last = next(ahead).result()  # the last layer's stay on the device for the backward's first
                 if index == len(layer_units) - 1:  # the forward's reads are done: the update's state reads begin
-                    update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+                    update = LayerUpdate(stream, plan.plan, uniform, self._devices, self.config.io_timeout)
                 kept.append([in_memory(x, self.activations) for x in xs])
                 xs = [self._jitted.layer(self._tree(layer_units[index], last), x) for x in xs]
                 jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
@@ -319,7 +333,7 @@ class LayerStream(ClosesOnExit):
                     scale = norm
                     update.abort("the clipping fired: the step is redone with the clipped grads")
                     self.rolled_back += 1
-                    update = LayerUpdate(stream, plan.plan, uniform, self._device, self.config.io_timeout)
+                    update = LayerUpdate(stream, plan.plan, uniform, self._devices, self.config.io_timeout)
                     self._backward(update, micro, kept, head_grads, gys, step, scale, None)
             _, timings, compiles = update.finish()
         except BaseException:
@@ -403,8 +417,11 @@ class LayerStream(ClosesOnExit):
             sums[leaf] = value
         if norm is not None:
             leaves = clipped(leaves, norm, self.max_grad_norm)
-        keys = [(leaf, None) for leaf in unit.leaves]
-        update.hand_over(keys, leaves, list(params))
+        keys = list(
+            dict.fromkeys((p.leaf, p.device) for k in unit.subgroups for p in self._plan.plan.subgroups[k].pieces)
+        )
+        grads, params = self._plan.sharding.block_map(leaves, unit.leaves), self._blocks(unit, params)
+        update.hand_over(keys, [grads[key] for key in keys], [params[key] for key in keys])
 
     # ----------------------------------------------------------------------------- reading the params back
 
@@ -474,13 +491,20 @@ class _Initialised:
     def __init__(self, make: Callable[[int], Any], count: int):
         self._make = make
         self._first = make(0)
-        self.shapes = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._first), count)
+        self.shapes = (jax.tree.map(_shape_of, self._first), count)
 
     def layer(self, index: int) -> Any:
         if index == 0 and self._first is not None:
             first, self._first = self._first, None
             return first
         return self._make(index)
+
+
+def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
+    """A layer's leaf as a shape, with its sharding where it spans several devices."""
+    sharding = getattr(x, "sharding", None)
+    spans = sharding is not None and len(sharding.device_set) > 1
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if spans else None)
 
 
 def _on_device(xs: Sequence[jax.Array]) -> list[jax.Array]:

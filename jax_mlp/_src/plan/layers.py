@@ -25,6 +25,7 @@ from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.parsing import format_bytes
 from jax_mlp._src.plan import partition
 from jax_mlp._src.plan.partition import Plan, Subgroup
+from jax_mlp._src.plan.sharding import LeafSharding
 from jax_mlp._src.storage.buffers import POOL_BYTES
 from jax_mlp._src.storage.record import Field, RecordLayout
 
@@ -52,6 +53,7 @@ class LayerPlan(NamedTuple):
       layer_treedef: one layer's param tree.
       outer_treedef: the outer params' tree.
       param_layouts: each subgroup's params record, by subgroup index.
+      sharding: each leaf's sharding and owned shards (a layer sharded over devices: FSDP).
     """
 
     plan: Plan
@@ -59,6 +61,12 @@ class LayerPlan(NamedTuple):
     layer_treedef: Any
     outer_treedef: Any
     param_layouts: tuple[RecordLayout, ...]
+    sharding: LeafSharding
+
+    def devices(self, default: jax.Device) -> list[jax.Device]:
+        """Per subgroup, where its programs run: its shards' device, or ``default`` for a leaf on one device."""
+        by_id = {device.id: device for device in jax.devices()}
+        return [default if sg.pieces[0].device is None else by_id[sg.pieces[0].device] for sg in self.plan.subgroups]
 
     @property
     def num_layers(self) -> int:
@@ -108,8 +116,31 @@ def layer_shapes(stacked: Any, num_layers: int | None = None) -> tuple[Any, int]
     count = counts.pop()
     if num_layers is not None and count != num_layers:
         raise OffloadError(f"the stacked layer params hold {count} layers, but num_layers={num_layers}")
-    one = [jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype) for x in leaves]
+    paths = partition.paths_of(stacked)
+    one = [
+        jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=_one_layer_sharding(x, path))
+        for x, path in zip(leaves, paths, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, one), count
+
+
+def _one_layer_sharding(stacked: Any, path: str) -> jax.sharding.Sharding | None:
+    """One layer's sharding of a stacked leaf sharded over several devices: its spec without the layer axis.
+
+    Raises:
+      OffloadError: the layer axis is sharded, or the sharding is not a ``NamedSharding``.
+    """
+    sharding = getattr(stacked, "sharding", None)
+    if sharding is None or len(sharding.device_set) == 1:
+        return None
+    spec = getattr(sharding, "spec", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or (len(spec) and spec[0] is not None):
+        raise OffloadError(
+            f"the stacked layer param {path} is sharded as {sharding}; stream_layers streams each layer whole, so "
+            "shard the layers' own axes with a NamedSharding and leave the layer axis (axis 0) unsharded, e.g. "
+            "PartitionSpec(None, 'fsdp')"
+        )
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]), memory_kind="device")
 
 
 def _param_layout(plan: Plan, subgroup: Subgroup) -> RecordLayout:
@@ -133,7 +164,7 @@ def make_layer_plan(
 
     Args:
       outer: the outer params, as arrays or ``jax.ShapeDtypeStruct``s.
-      layer: one layer's params, as shapes.
+      layer: one layer's params, as shapes (with the sharding of one layer, if sharded).
       num_layers: how many layers.
       make_plan: ``make_plan(model_tree, unit_of)``: the plan of the model tree with each leaf's unit
         (the offload's optimizer check and partition, given its options).
@@ -157,7 +188,8 @@ def make_layer_plan(
         subgroups = tuple(sg.index for sg in plan.subgroups if sg.pieces[0].leaf in leaves)
         units.append(Unit(f"layer {index}" if index < num_layers else "outer", leaves, subgroups))
     layouts = tuple(_param_layout(plan, sg) for sg in plan.subgroups)
-    return LayerPlan(plan, tuple(units), layer_treedef, outer_treedef, layouts)
+    sharding = LeafSharding.of(jax.tree_util.tree_leaves(tree))
+    return LayerPlan(plan, tuple(units), layer_treedef, outer_treedef, layouts, sharding)
 
 
 def backward_order(plan: LayerPlan) -> list[int]:

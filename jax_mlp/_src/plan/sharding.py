@@ -89,14 +89,17 @@ class LeafSharding(NamedTuple):
         by_id = _devices_by_id()
         return [home if sg.pieces[0].device is None else by_id[sg.pieces[0].device] for sg in plan.subgroups]
 
-    def block_map(self, leaves: Sequence[jax.Array]) -> dict[BlockKey, jax.Array]:
+    def block_map(self, leaves: Sequence[jax.Array], indices: Sequence[int] | None = None) -> dict[BlockKey, jax.Array]:
         """Each leaf's data on each device that holds a block of it, by (leaf, device id; None: one device).
 
         A leaf that arrives with another sharding than at ``init`` is first resharded to that one,
-        shard to shard, so each block is found on the device that owns its state.
+        shard to shard, so each block is found on the device that owns its state. ``indices`` are the
+        leaves' indices when they are some of the leaves (a layer's), in order.
         """
         blocks: dict[BlockKey, jax.Array] = {}
-        for index, (leaf, sharding) in enumerate(zip(leaves, self.shardings, strict=True)):
+        indices = range(len(self.shardings)) if indices is None else indices
+        for index, leaf in zip(indices, leaves, strict=True):
+            sharding = self.shardings[index]
             if sharding is None:
                 blocks[index, None] = leaf
                 continue
@@ -105,20 +108,23 @@ class LeafSharding(NamedTuple):
             blocks.update(((index, shard.device.id), shard.data) for shard in leaf.addressable_shards)
         return blocks
 
-    def assemble(self, plan: Plan, results: dict[BlockKey, jax.Array]) -> list[jax.Array]:
+    def assemble(
+        self, plan: Plan, results: dict[BlockKey, jax.Array], indices: Sequence[int] | None = None
+    ) -> list[jax.Array]:
         """Each leaf's update: its one block, or its owned blocks assembled with the leaf's sharding.
 
         Replicas get a device-to-device copy of their owner's block, in the block's memory kind; no
-        device ever holds more than its own block.
+        device ever holds more than its own block. ``indices`` picks some of the leaves (a layer's).
         """
         leaves = []
-        for index, (spec, sharding, owners) in enumerate(
-            zip(plan.leaves, self.shardings, self.owners(plan), strict=True)
-        ):
+        indices = range(len(plan.leaves)) if indices is None else indices
+        for index in indices:
+            spec, sharding = plan.leaves[index], self.shardings[index]
             if sharding is None:
                 leaves.append(results[index, None])
                 continue
             arrays = []
+            owners = partition.block_owners(spec.shape, sharding, self.shards[index])
             for device, owner in owners.items():
                 block = results[index, owner]
                 copy = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind(block))

@@ -9,6 +9,7 @@ unit over only once the update has taken the one before, so one unit's blocks wa
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -80,13 +81,14 @@ class Inbox(Mapping):
 
 class LayerResults:
     """Each subgroup's fused apply on the params and grads the backward handed over: its new params go to its
-    params record; a leaf's grads and params leave the device once its last subgroup has run.
+    params record; a block's grads and params (a leaf's, or one device's shard of it) leave the device once its
+    last subgroup has run.
 
-    A row chunk's program writes its rows into its leaf's params block, which the leaf's next chunk
-    takes, so each leaf is updated in place as in ``apply``.
+    A row chunk's program writes its rows into its block's params, which the block's next chunk takes,
+    so each block is updated in place as in ``apply``.
     """
 
-    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[int, int]):
+    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[Any, int]):
         self._plan, self._inbox = plan, inbox
         self._uses = dict(uses)
         self._blocks: dict[Any, jax.Array] = {}
@@ -98,8 +100,8 @@ class LayerResults:
         pieces = []
         for piece, key, block in zip(subgroup.pieces, keys, out.outputs, strict=True):
             pieces.append(block if piece.rows is None else block[piece.rows[0] : piece.rows[1]])
-            self._uses[piece.leaf] -= 1
-            if self._uses[piece.leaf]:
+            self._uses[key] -= 1
+            if self._uses[key]:
                 self._blocks[key] = block
             else:
                 grads = self._inbox.pop(("grads", key))
@@ -139,14 +141,12 @@ class _GradsView(Mapping):
 class LayerUpdate:
     """One step's update: a transaction of the state stream, streaming on its own thread as grads come in."""
 
-    def __init__(self, stream: StateStream, plan: Any, uniform: Uniform, device: jax.Device, timeout: float):
+    def __init__(self, stream: StateStream, plan: Any, uniform: Uniform, devices: Sequence[jax.Device], timeout: float):
         self.inbox = Inbox(timeout)
-        uses: dict[int, int] = {}
-        for sg in plan.subgroups:
-            for p in sg.pieces:
-                uses[p.leaf] = uses.get(p.leaf, 0) + 1
-        devices = [device] * len(plan.subgroups)
-        blocks = Blocks(_GradsView(self.inbox), None, devices, uniform, Staging(plan, ["device"] * len(plan.leaves)))
+        uses = collections.Counter((p.leaf, p.device) for sg in plan.subgroups for p in sg.pieces)
+        blocks = Blocks(
+            _GradsView(self.inbox), None, list(devices), uniform, Staging(plan, ["device"] * len(plan.leaves))
+        )
         self._stream = stream
         self.transaction: Transaction = stream.begin(cache_state=False)
         self.outcome: Any = None
