@@ -5,7 +5,9 @@ The model is a stack of identical layers between outer params (:class:`LayerStac
 of jitted per-layer programs, with no callbacks:
 
 - **forward**, layer by layer: each unit's params come from its params records (host cache first),
-  read ahead while the previous layer computes; each layer's input is kept on the device;
+  read ahead while the previous layer computes; each layer's input is kept (on the device, or in
+  ``pinned_host`` with ``activations="pinned_host"``); a layer sharded over devices is read shard by
+  shard onto its devices and assembled with its sharding;
 - **backward**, in reverse, recomputing inside each layer (``jax.vjp`` of the layer on its kept
   input); the last layer's params are the forward's, each earlier layer's are read again, one layer
   ahead, beside the update's state (nothing is read between steps: :func:`stream_config`);
