@@ -95,20 +95,13 @@ def timed_steps(paths: list, steps: int, **options) -> tuple[list[float], list[j
 def in_memory_tokens_per_s(shape: tuple[int, int], steps: int) -> float:
     """The same model with its params on the device: jitted grads of the whole model and optax."""
     outer, stacked = model(*shape)
-    s = stack()
     tree = {"layers": [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(shape[0])], "outer": outer}
     tx = optax.adam(1e-3)
     state = tx.init(tree)
 
-    def loss(tree, batch):
-        x = s.embed(tree["outer"], batch)
-        for layer in tree["layers"]:
-            x = s.layer(layer, x)
-        return s.head(tree["outer"], x, batch)
-
     @jax.jit
     def step(tree, state, batch):
-        updates, state = tx.update(jax.grad(loss)(tree, batch), state, tree)
+        updates, state = tx.update(jax.grad(stack().loss)(tree, batch), state, tree)
         return optax.apply_updates(tree, updates), state
 
     seconds = []

@@ -195,17 +195,11 @@ class _Reference:
         self.state = self.tx.init(_tree(streamed))
         self.deviations: list[float] = []
 
-        def loss(tree: dict, batch: dict) -> jax.Array:
-            x = stack.embed(tree["outer"], batch)
-            for layer in tree["layers"]:
-                x = stack.layer(layer, x)
-            return stack.head(tree["outer"], x, batch)
-
         @jax.jit
         def step(tree: dict, state: Any, batch: dict) -> tuple[dict, Any]:
             # The micro-batches' grads, summed in order in float32 and averaged, as the stream accumulates them.
             parts = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
-            grads = [jax.grad(loss)(tree, jax.tree.map(lambda x, m=m: x[m], parts)) for m in range(microbatches)]
+            grads = [jax.grad(stack.loss)(tree, jax.tree.map(lambda x, m=m: x[m], parts)) for m in range(microbatches)]
             if microbatches > 1:
                 total = jax.tree.map(lambda *gs: sum(g.astype(jnp.float32) for g in gs), *grads)
                 grads = [jax.tree.map(lambda t, p: (t / microbatches).astype(p.dtype), total, tree)]

@@ -171,17 +171,10 @@ def test_against_the_whole_model_in_optax(tmp_path):
 
 def _whole_model_in_optax(inner, outer, stacked, steps):
     """``jax.grad`` of the whole model and optax, in memory: the reference every layer-streamed run is held to."""
-
-    def loss(tree, batch):
-        x = embed(tree["outer"], batch)
-        for params in tree["layers"]:
-            x = layer(params, x)
-        return head(tree["outer"], x, batch)
-
     tree = {"layers": unstack(stacked, LAYERS), "outer": outer}
     state = inner.init(tree)
     for step in steps:
-        updates, state = jax.jit(inner.update)(jax.grad(loss)(tree, batch_at(step)), state, tree)
+        updates, state = jax.jit(inner.update)(jax.grad(STACK.loss)(tree, batch_at(step)), state, tree)
         tree = optax.apply_updates(tree, updates)
     return tree["outer"], stack_layers(tree["layers"])
 

@@ -94,15 +94,9 @@ def in_memory(outer, stacked, steps: int, tokens: int, vocab: int) -> dict:
     tx = optax.adamw(1e-3)
     opt_state = tx.init(masters)
 
-    def loss(tree, batch):
-        x = s.embed(tree["outer"], batch)
-        for layer in tree["layers"]:
-            x = s.layer(layer, x)
-        return s.head(tree["outer"], x, batch)
-
     @jax.jit
     def step(tree, masters, opt_state, batch):
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss)(tree, batch))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(s.loss)(tree, batch))
         updates, opt_state = tx.update(grads, opt_state, masters)
         masters = optax.apply_updates(masters, updates)
         return jax.tree.map(lambda m, p: m.astype(p.dtype), masters, tree), masters, opt_state

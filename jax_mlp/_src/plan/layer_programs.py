@@ -33,6 +33,14 @@ class LayerStack(NamedTuple):
     layer: Callable[[Any, Any], Any]
     head: Callable[[Any, Any, Any], jax.Array]
 
+    def loss(self, tree: Any, batch: Any) -> jax.Array:
+        """The whole model's loss on the model tree ``{"layers": [layer_0, ...], "outer": outer}``, as one function:
+        what a layer-streamed step computes, for a reference held in memory (``jax.grad`` of it)."""
+        x = self.embed(tree["outer"], batch)
+        for params in tree["layers"]:
+            x = self.layer(params, x)
+        return self.head(tree["outer"], x, batch)
+
 
 class LayerPrograms:
     """The per-layer programs of one stack: forward, backward with recompute, the embedding and the head."""
