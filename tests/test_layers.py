@@ -166,10 +166,10 @@ def test_against_the_whole_model_in_optax(tmp_path):
     inner = optax.adam(1e-2)
     with jax_mlp.stream_layers(STACK, inner, paths=[tmp_path / "tiers"]) as stream:
         got, _ = train(stream, outer, stacked, range(5))
-    assert_close_to_optax(got, _whole_model_in_optax(inner, outer, stacked, range(5)), (outer, stacked))
+    assert_close_to_optax(got, whole_model_in_optax(inner, outer, stacked, range(5)), (outer, stacked))
 
 
-def _whole_model_in_optax(inner, outer, stacked, steps):
+def whole_model_in_optax(inner, outer, stacked, steps):
     """``jax.grad`` of the whole model and optax, in memory: the reference every layer-streamed run is held to."""
     tree = {"layers": unstack(stacked, LAYERS), "outer": outer}
     state = inner.init(tree)
@@ -205,7 +205,7 @@ def test_layers_sharded_over_eight_devices_train_as_the_whole_model_in_optax(tmp
     assert one["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
     assert len(one["w"].addressable_shards) == 8 and one["w"].addressable_shards[0].data.shape == (2, WIDTH)
     assert losses[-1] < losses[0]
-    assert_close_to_optax(got, _whole_model_in_optax(inner, outer, stacked, range(5)), (outer, stacked))
+    assert_close_to_optax(got, whole_model_in_optax(inner, outer, stacked, range(5)), (outer, stacked))
 
 
 def test_a_sharded_layer_axis_is_refused_before_anything_is_written(tmp_path):

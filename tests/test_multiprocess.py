@@ -103,7 +103,8 @@ def spec_of(path) -> P:
     return P()
 
 
-def launch(tmp_path, mode: str) -> list[subprocess.Popen]:
+def launch(tmp_path, mode: str, child: str = CHILD) -> list[subprocess.Popen]:
+    """Two processes running ``child`` with arguments (coordinator, process id, tmp_path, mode, this folder)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -111,7 +112,7 @@ def launch(tmp_path, mode: str) -> list[subprocess.Popen]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return [
         subprocess.Popen(
-            [sys.executable, "-u", "-c", CHILD, f"127.0.0.1:{port}", str(i), str(tmp_path), mode, TESTS],
+            [sys.executable, "-u", "-c", child, f"127.0.0.1:{port}", str(i), str(tmp_path), mode, TESTS],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

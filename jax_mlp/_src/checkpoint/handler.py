@@ -1,7 +1,9 @@
 """Orbax checkpoints of the offloaded state, in the standard optax layout, streamed subgroup by subgroup.
 
 A checkpoint item holds the tree that ``inner.init(params)`` returns, or, with master params,
-``{"opt_state": <that tree>, "master": <params in master_dtype>}``. It is orbax's own PyTree format
+``{"opt_state": <that tree>, "master": <params in master_dtype>}``; of a ``stream_layers`` run, whose
+params live in the tiers, ``{"opt_state": ..., "params": <the model tree>}`` (and ``"master"``), the
+params streamed from their records as the state is. It is orbax's own PyTree format
 (zarr3 arrays, no OCDBT), so plain optax restores it with ``ocp.args.StandardRestore``. Each array is
 filled region by region while the subgroups stream from the tiers: a row chunk of a split leaf is a
 row range (and a zarr3 chunk) of its array, and leaves every subgroup holds alike (adam's ``count``)
@@ -25,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 import orbax.checkpoint as ocp
 
 from jax_mlp._src.checkpoint import items
-from jax_mlp._src.checkpoint.restore import restore_into
-from jax_mlp._src.checkpoint.save import SaveStream
+from jax_mlp._src.checkpoint.restore import restore_into, restore_layers
+from jax_mlp._src.checkpoint.save import SaveStream, layer_source, offload_source
 from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.offload.layers import LayerStream
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.transform import OffloadTransformation, offloader_of
 
@@ -39,14 +42,17 @@ _SAVES = itertools.count()  # numbers this process's saves alike in every proces
 
 @dataclasses.dataclass
 class OffloadSave(ocp.args.CheckpointArgs):
-    """Saves the state of an ``mlp_offload`` at its current step, in the standard optax layout.
+    """Saves the state of an ``mlp_offload`` (or a ``stream_layers`` run) at its current step, in the standard optax layout.
 
     Attributes:
-      offload: what :func:`~jax_mlp.mlp_offload` returned, initialised.
+      offload: what :func:`~jax_mlp.mlp_offload` returned, initialised; or a :class:`~jax_mlp.LayerStream`,
+        whose checkpoint holds the params too (``{"opt_state", "params"[, "master"]}``, the params as the
+        model tree ``{"layers": [layer_0, ...], "outer": outer}``), streamed from the tiers.
       params: the params at the offload's step; needed with ``master_storage="remainder"`` (bf16
         params with fp32 masters), whose records hold only the masters' low halves:
         the checkpoint holds the whole fp32 master, rebuilt from them. Their blocks are copied to the
-        host when the save starts, so the params may be updated (or donated) while it streams.
+        host when the save starts, so the params may be updated (or donated) while it streams. Not
+        needed for a ``stream_layers`` run: its params records hold them.
 
     Example:
       >>> import tempfile
@@ -62,7 +68,7 @@ class OffloadSave(ocp.args.CheckpointArgs):
       True
     """
 
-    offload: OffloadTransformation
+    offload: OffloadTransformation | LayerStream
     params: Any = None
 
 
@@ -76,9 +82,12 @@ class OffloadRestore(ocp.args.CheckpointArgs):
     Attributes:
       offload: a new :func:`~jax_mlp.mlp_offload` (without ``resume``); restoring initialises it, so do
         not call its ``init``. Its paths hold no run, or this run's state (the same layout hash, e.g.
-        after a crash): the restore replaces that state, with a warning naming the step it held.
+        after a crash): the restore replaces that state, with a warning naming the step it held. Or a
+        new :func:`~jax_mlp.stream_layers`, for a checkpoint ``OffloadSave`` made of one: its params and
+        state stream into the tiers.
       params: the params, or their ``jax.ShapeDtypeStruct``s. Values are needed only when the
         offload keeps master params and the checkpoint has none: the master copy starts from them.
+        For a ``stream_layers``, ``(outer, layers)`` as its ``init`` takes them (shapes are enough).
       step: the step of the restored state; by default the one saved, or 0 for a plain optax checkpoint.
 
     Example (a checkpoint of plain optax, restored into an offload):
@@ -97,7 +106,7 @@ class OffloadRestore(ocp.args.CheckpointArgs):
       (1, Array(1, dtype=int32))
     """
 
-    offload: OffloadTransformation
+    offload: OffloadTransformation | LayerStream
     params: Any
     step: int | None = None
 
@@ -112,12 +121,17 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     async def async_save(self, directory: epath.Path, args: OffloadSave) -> list | None:
         """Starts saving ``args.offload`` at its current step; returns the futures that finish it."""
-        offloader = offloader_of(args.offload)
-        pin = offloader.pin()
+        source = (
+            layer_source(args.offload)
+            if isinstance(args.offload, LayerStream)
+            else offload_source(offloader_of(args.offload))
+        )
+        pin = source.pin()
         try:
-            stream = SaveStream(offloader, pin, f"jax_mlp/save/{next(_SAVES)}/{directory}", args.params)
-            has_master = offloader.initialised().plan.master_dtype is not None
-            custom = {items.METADATA_KEY: {"format": items.FORMAT, "step": pin.step, "master": has_master}}
+            stream = SaveStream(source, pin, f"jax_mlp/save/{next(_SAVES)}/{directory}", args.params)
+            has_master = source.plan.master_dtype is not None
+            said = {"format": items.FORMAT, "step": pin.step, "master": has_master, "params": source.with_params}
+            custom = {items.METADATA_KEY: said}
             save = ocp.args.PyTreeSave(stream.placeholders(), custom_metadata=custom)
             return await items.pytree_handler().async_save(directory, args=save)
         except BaseException:
@@ -144,6 +158,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
                 f"restoring {directory} needs a new mlp_offload to restore into: pass "
                 "jax_mlp.OffloadRestore(offload, params), or ocp.args.StandardRestore(...) for plain optax"
             )
+        if isinstance(args.offload, LayerStream):
+            return restore_layers(args.offload, directory, args.params, args.step)
         return restore_into(offloader_of(args.offload), directory, args.params, args.step)
 
     def metadata(self, directory: epath.Path) -> Any:

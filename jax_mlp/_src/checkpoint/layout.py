@@ -26,11 +26,14 @@ from jax_mlp._src.plan.partition import Box, Plan, Subgroup
 from jax_mlp._src.storage.record import CHUNK_BYTES
 
 MASTER = "master"
+PARAMS = "params"
 STATE = "opt_state"
 _MIN_CHUNK_BYTES = 2**20  # chunks aligned with every region are kept down to this size
 
 
-def standard_layout(inner: optax.GradientTransformation, params: Any, master_dtype: Any = None) -> Any:
+def standard_layout(
+    inner: optax.GradientTransformation, params: Any, master_dtype: Any = None, *, with_params: bool = False
+) -> Any:
     """The tree a checkpoint of ``mlp_offload(inner, master_dtype=...)`` holds, as ``jax.ShapeDtypeStruct``s.
 
     Pass it to ``ocp.args.StandardRestore`` to restore such a checkpoint into plain optax. Params
@@ -41,19 +44,34 @@ def standard_layout(inner: optax.GradientTransformation, params: Any, master_dty
       inner: the optimizer wrapped by ``mlp_offload``.
       params: the params (arrays or ``jax.ShapeDtypeStruct``s).
       master_dtype: the ``master_dtype`` given to ``mlp_offload``, or None.
+      with_params: the checkpoint holds the params too, as one of ``stream_layers`` does (its params
+        live in the tiers): ``params`` is then the model tree ``{"layers": [layer_0, ...], "outer": outer}``.
 
     Returns:
       ``jax.eval_shape(inner.init, params)`` without master params; with them,
-      ``{"opt_state": <the same on params in master_dtype>, "master": <params in master_dtype>}``.
+      ``{"opt_state": <the same on params in master_dtype>, "master": <params in master_dtype>}``. With
+      ``with_params``, always a dict with ``"opt_state"``, ``"params"`` (in their dtype) and, with master
+      params, ``"master"``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jax_mlp
+      >>> jax_mlp.standard_layout(optax.sgd(0.1, momentum=0.9), {"w": jnp.zeros(3)})[0].trace
+      {'w': ShapeDtypeStruct(shape=(3,), dtype=float32)}
     """
     dtype = None if master_dtype is None else np.dtype(master_dtype)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype or x.dtype), params)
+    own = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     state = jax.eval_shape(inner.init, shapes)
     mesh = _one_mesh(params)
     if mesh is not None:
         state = _sharded_like(state, params, mesh)
-        shapes = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding), shapes, params)
-    return state if dtype is None else {STATE: state, MASTER: shapes}
+        shapes, own = (
+            jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding), tree, params)
+            for tree in (shapes, own)
+        )
+    if not with_params:
+        return state if dtype is None else {STATE: state, MASTER: shapes}
+    return {STATE: state, PARAMS: own} if dtype is None else {STATE: state, PARAMS: own, MASTER: shapes}
 
 
 def _one_mesh(params: Any) -> jax.sharding.Mesh | None:
@@ -91,7 +109,8 @@ class _Lookup(NamedTuple):
 
     index: dict[str, int]  # leaf position by tree path
     shapes: tuple[tuple[int, ...], ...]
-    prefix: str  # of inner state paths: "['opt_state']" with master params
+    prefix: str  # of inner state paths: "['opt_state']" where the tree has other parts
+    parts: frozenset[str]  # those parts: "['master']", "['params']"
     shared: frozenset[str]  # inner state paths every subgroup holds alike
     owner: dict[str, int]  # inner state path -> the split or sharded param leaf it belongs to
 
@@ -105,7 +124,8 @@ class Layout(NamedTuple):
     regions: tuple[tuple[Region, ...], ...]
 
 
-def _abstract_params(plan: Plan) -> Any:
+def abstract_params(plan: Plan) -> Any:
+    """The params of ``plan`` as ``jax.ShapeDtypeStruct``s, in its tree."""
     leaves = [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in plan.leaves]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
@@ -168,20 +188,23 @@ def _regions(plan: Plan, subgroup: Subgroup, lookup: _Lookup) -> tuple[Region, .
                 "that does not split it"
             )
         regions.append(Region(leaf, box, path in lookup.shared, owner.get(path)))
-    if plan.master_dtype is not None:
-        for piece in subgroup.pieces:
-            name = f"['{MASTER}']{plan.leaves[piece.leaf].path}"
+    for part in (MASTER, PARAMS):  # where the tree has them: a master copy, and the params of a layer stream
+        for piece in subgroup.pieces if f"['{part}']" in lookup.parts else ():
+            name = f"['{part}']{plan.leaves[piece.leaf].path}"
             regions.append(Region(lookup.index[name], box_of[piece.leaf], False, piece.leaf))
     return tuple(regions)
 
 
 @functools.lru_cache(maxsize=8)
-def layout_of(inner: optax.GradientTransformation, plan: Plan) -> Layout:
+def layout_of(inner: optax.GradientTransformation, plan: Plan, with_params: bool = False) -> Layout:
     """The standard layout of ``plan``, and the region of every record field in it.
+
+    Each subgroup's regions are its state fields', then its master fields', then, ``with_params``,
+    its params' (one per piece: a layer stream's params record).
 
     Cached: it traces ``inner.init`` once per split or sharded leaf, and every save of a run needs it.
     """
-    tree = standard_layout(inner, _abstract_params(plan), plan.master_dtype)
+    tree = standard_layout(inner, abstract_params(plan), plan.master_dtype, with_params=with_params)
     path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = tuple(jax.tree_util.keystr(path) for path, _ in path_leaves)
     leaves = tuple(leaf for _, leaf in path_leaves)
@@ -193,8 +216,11 @@ def layout_of(inner: optax.GradientTransformation, plan: Plan) -> Layout:
         for path in _state_paths(inner, plan, [partition.Piece(leaf)])
         if path not in shared
     }
-    prefix = "" if plan.master_dtype is None else f"['{STATE}']"
-    lookup = _Lookup({name: i for i, name in enumerate(names)}, tuple(x.shape for x in leaves), prefix, shared, owner)
+    held = ((MASTER, plan.master_dtype is not None), (PARAMS, with_params))
+    parts = frozenset(f"['{part}']" for part, present in held if present)
+    prefix = f"['{STATE}']" if parts else ""
+    index = {name: i for i, name in enumerate(names)}
+    lookup = _Lookup(index, tuple(x.shape for x in leaves), prefix, parts, shared, owner)
     regions = tuple(_regions(plan, sg, lookup) for sg in plan.subgroups)
     return Layout(jax.tree_util.tree_structure(tree), leaves, names, regions)
 

@@ -11,25 +11,90 @@ import itertools
 import json
 import math
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jax_mlp._src import peers
 from jax_mlp._src.checkpoint.items import StreamedLeaf
 from jax_mlp._src.checkpoint.layout import Region, chunk_shape, host_block, interior_gcd, layout_of, region_of
+from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError, RecordError
 from jax_mlp._src.offload.inputs import check_tree
+from jax_mlp._src.offload.layers import LayerStream
 from jax_mlp._src.offload.offloader import Offloader
 from jax_mlp._src.plan import remainders
 from jax_mlp._src.plan.partition import Box, Plan
 from jax_mlp._src.plan.sharding import LeafSharding
 from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.stream.engine import Engine
+
+
+class Source(NamedTuple):
+    """What a save streams out of: a run's optimizer, plan and placement, and its records at a pinned step.
+
+    Attributes:
+      inner: the inner optimizer.
+      config: the run's options (the save's pipeline depths and timeouts).
+      plan: the subgroups.
+      sharding: each leaf's sharding and owned shards.
+      pin: flushes and pins the run's current step (see :meth:`TierStack.pin`).
+      read: ``read(pin, k)``: subgroup ``k``'s ``(state leaves, master leaves)`` at the pinned step, and,
+        ``with_params``, its params leaves third; each record read is unpinned.
+      records: ``records(k)``: the record indices of subgroup ``k`` (unpinned unread when another process
+        saves them).
+      with_params: the params are records too (a layer stream): the checkpoint holds them beside the state.
+    """
+
+    inner: optax.GradientTransformation
+    config: OffloadConfig
+    plan: Plan
+    sharding: LeafSharding
+    pin: Callable[[], Pin]
+    read: Callable[[Pin, int], tuple]
+    records: Callable[[int], tuple[int, ...]]
+    with_params: bool
+
+
+def offload_source(offloader: Offloader) -> Source:
+    """The :class:`Source` of an ``mlp_offload``: its state records (the params are the user's)."""
+    live = offloader.initialised()
+    return Source(
+        offloader.inner,
+        offloader.config,
+        live.plan,
+        live.sharding,
+        offloader.pin,
+        offloader.read_pinned,
+        lambda k: (k,),
+        with_params=False,
+    )
+
+
+def layer_source(stream: LayerStream) -> Source:
+    """The :class:`Source` of a ``stream_layers`` run: each subgroup's state record and its params record."""
+    plan = stream.plan
+    if plan is None:
+        raise OffloadError("this stream_layers has not been initialised: call init (or restore a checkpoint) first")
+
+    def read(pin: Pin, k: int) -> tuple:
+        return (*stream.read_pinned(pin, k), stream.read_pinned(pin, plan.params_record(k))[0])
+
+    return Source(
+        stream.inner,
+        stream.config,
+        plan.plan,
+        plan.sharding,
+        stream.pin,
+        read,
+        lambda k: (k, plan.params_record(k)),
+        with_params=True,
+    )
 
 
 class SaveStream:
@@ -40,12 +105,11 @@ class SaveStream:
     0 creates the arrays; the others open them with the same metadata, agreed on here.
     """
 
-    def __init__(self, offloader: Offloader, pin: Pin, name: str, params: Any):
-        self.offloader = offloader
+    def __init__(self, source: Source, pin: Pin, name: str, params: Any):
+        self.source = source
         self.pin = pin
-        live = offloader.initialised()
-        plan, sharding = live.plan, live.sharding
-        self.layout = layout_of(offloader.inner, plan)
+        plan, sharding = source.plan, source.sharding
+        self.layout = layout_of(source.inner, plan, source.with_params)
         primary = jax.process_index() == 0
         self.writes = tuple(
             tuple(
@@ -58,9 +122,11 @@ class SaveStream:
         shared = any(r.shared for regions in self.layout.regions for r in regions)
         self.subgroups = own or ([0] if primary and shared else [])
         for k in set(range(len(plan.subgroups))) - set(self.subgroups):
-            pin.mark_read(k)  # another process writes it: an update need not wait for it
+            for record in source.records(k):
+                pin.mark_read(record)  # another process writes it: an update need not wait for it
         self.chunks = self._chunks(sharding, name)
-        self.high_halves = _high_halves(plan, self.layout.regions, self.subgroups, params)
+        # A layer stream's params records hold the high halves of remainder masters; else the user gives them.
+        self.high_halves = {} if source.with_params else _high_halves(plan, self.layout.regions, self.subgroups, params)
         self._shared: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
@@ -70,7 +136,7 @@ class SaveStream:
 
     def _chunks(self, sharding: LeafSharding, name: str) -> list[tuple[int, ...]]:
         """Each array's zarr3 chunk (see :func:`chunk_shape`), the same in every process."""
-        layout, plan = self.layout, self.offloader.initialised().plan
+        layout, plan = self.layout, self.source.plan
         blocks: list[list[Box]] = [[] for _ in layout.leaves]
         rows: list[list[int]] = [[] for _ in layout.leaves]
         for k in self.subgroups:
@@ -83,7 +149,7 @@ class SaveStream:
                     blocks[region.leaf] = [box for box, _ in sharding.blocks_of(region.param, shape)]
         gcds = [interior_gcd(r, x.shape[0] if x.shape else 1) for r, x in zip(rows, layout.leaves, strict=True)]
         if jax.process_count() > 1:
-            timeout = self.offloader.config.peer_timeout
+            timeout = self.source.config.peer_timeout
             # A process may hold no block of a leaf: blocks come from the first that does.
             shared = peers.all_values(name, json.dumps([gcds, blocks]), timeout, "a checkpoint save")
             everyone = [json.loads(value) for value in shared]
@@ -110,14 +176,20 @@ class SaveStream:
         return ts.open(spec, open=True, assume_metadata=True, context=info.ts_context).result()
 
     def _store(self, arrays: list, index: int, fetched: tuple) -> None:
-        state_leaves, master_leaves = fetched
+        state_leaves, master_leaves, *params = fetched
+        params_leaves = params[0] if params else []
+        if params_leaves:
+            flags = remainders.held_as_remainders(self.source.plan.subgroups[index].layout.master_fields)
+            halves = [p if flag else None for p, flag in zip(params_leaves, flags, strict=False)]
+        else:
+            halves = self.high_halves.get(index, itertools.repeat(None))
         master_leaves = [
-            m if params is None else np.asarray(remainders.rebuild(params, m))
-            for m, params in zip(master_leaves, self.high_halves.get(index, itertools.repeat(None)), strict=False)
+            m if high is None else np.asarray(remainders.rebuild(high, m))
+            for m, high in zip(master_leaves, halves, strict=False)
         ]
         writes = []
         for region, value, write in zip(
-            self.layout.regions[index], [*state_leaves, *master_leaves], self.writes[index], strict=True
+            self.layout.regions[index], [*state_leaves, *master_leaves, *params_leaves], self.writes[index], strict=True
         ):
             if not write or (region.shared and not self._claim(region, value)):
                 continue
@@ -141,8 +213,8 @@ class SaveStream:
 
     def write(self, leaves: Sequence[StreamedLeaf], infos: Sequence[ocp.type_handlers.ParamInfo]) -> None:
         """Streams this process's subgroups of the pinned step into the arrays, then releases the pin."""
-        offloader, pin = self.offloader, self.pin
-        config = offloader.config
+        source, pin = self.source, self.pin
+        config = source.config
         engine = Engine(config.prefetch_depth, config.write_depth, config.io_timeout)
         try:
             arrays: list[Any] = [None] * len(self.layout.leaves)
@@ -150,7 +222,7 @@ class SaveStream:
                 arrays[leaf.index] = self._open(leaf.index, info)
             engine.pipeline(
                 self.subgroups,
-                lambda k: offloader.read_pinned(pin, k),
+                lambda k: source.read(pin, k),
                 lambda _, fetched: fetched,
                 lambda k, fetched: self._store(arrays, k, fetched),
             )

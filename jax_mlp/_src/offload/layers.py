@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlp._src import host_memory
+from jax_mlp._src import host_memory, peers
 from jax_mlp._src.config import OffloadConfig
 from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import inputs, planning, resume, window
@@ -58,6 +58,7 @@ from jax_mlp._src.plan.sharding import DEVICE_MEMORY, MEMORY_KINDS, in_memory
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stats import UpdateStats
 from jax_mlp._src.storage.paths import open_configured, release_paths
+from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.stream.build import build_stream
 from jax_mlp._src.stream.layer_update import LayerUpdate
 from jax_mlp._src.stream.state_stream import StateStream
@@ -111,7 +112,7 @@ class LayerStream(ClosesOnExit):
         self._readers = concurrent.futures.ThreadPoolExecutor(
             config.prefetch_depth, thread_name_prefix="jax_mlp-params"
         )
-        self._device = jax.devices()[0]
+        self._device = jax.local_devices()[0]
         self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
         self.rolled_back = 0
@@ -155,29 +156,55 @@ class LayerStream(ClosesOnExit):
         Returns:
           The handle at step 0 (or, with ``resume``, at the last complete step).
         """
+        layer_of = self._layers_source(layers, layer_init, num_layers)
+        plan = self.plan_for(outer, *layer_of.shapes)
+        if self.resume:
+            return self._initialise(plan, lambda: resume.resume_at(self._stream, peer_key="jax_mlp/layers"), "resume")
+        return self._initialise(plan, lambda: self._write_initial_state(plan, _as_arrays(outer), layer_of), "init")
+
+    def plan_for(self, outer: Any, one_layer: Any, num_layers: int) -> LayerPlan:
+        """The plan ``init`` makes for these params (shapes are enough), after the checks that precede any write.
+
+        Args:
+          outer: the outer params, as arrays or ``jax.ShapeDtypeStruct``s.
+          one_layer: one layer's params as shapes (with its sharding, where it spans devices).
+          num_layers: the number of layers.
+        """
         if self._stream is not None:
             raise OffloadError("this stream_layers was already initialised; create a new one for another model")
         self._check_open()
         window.refuse_multisteps()
-        layer_of = self._layers_source(layers, layer_init, num_layers)
-        one_layer, count = layer_of.shapes
         inputs.check_float_leaves(outer)
         check_closure(self.stack.layer)
 
         def make_plan(tree: Any, unit_of: Sequence[int]) -> Any:  # the optimizer check, then the subgroups
             return planning.plan_params(self.inner, self.config, tree, None, unit_of).plan
 
-        plan = layer_plans.make_layer_plan(outer, one_layer, count, make_plan)
+        plan = layer_plans.make_layer_plan(outer, one_layer, num_layers, make_plan)
         check_host_memory(plan, self.config, self._device.platform)
-        self._open(plan)
+        return plan
+
+    def init_from(self, plan: LayerPlan, step: int, load: Callable[[int], tuple]) -> OffloadState:
+        """Like :meth:`init`, but the tiers start at ``step`` with what ``load(k)`` gives each subgroup ``k`` of
+        ``plan`` (from :meth:`plan_for`): its state, master and params leaves (a checkpoint restore).
+
+        The paths may hold no run, or this run: restoring is the user's choice, so what they held is
+        discarded, with a warning naming its step.
+        """
+        if self.resume:
+            raise OffloadError("a restore writes a fresh state: create the stream_layers without resume=True")
+        return self._initialise(plan, lambda: self._stream.write_restored_state(step, load), "restore")
+
+    def _initialise(self, plan: LayerPlan, populate: Callable[[], None], intent: resume.Intent) -> OffloadState:
+        """Opens the tiers, checks what they hold against ``intent``, fills them with ``populate``, marks the
+        paths; then every process has done so."""
+        self._open(plan, intent)
         stream = self._stream
         try:
-            if self.resume:
-                resume.resume_at(stream, peer_key="jax_mlp/layers")
-            else:
-                self._write_initial_state(plan, _as_arrays(outer), layer_of)
+            populate()
             for path in stream.tiers.paths:
                 path.write_run_file(resume.run_identity(plan.plan, self.config.subgroup_size))
+            peers.barrier("jax_mlp/layers/init", self.config.peer_timeout, "the end of init")
         except BaseException:
             stream.close(delete=False)
             self._stream = None
@@ -196,11 +223,11 @@ class LayerStream(ClosesOnExit):
             raise OffloadError("init with layer_init needs num_layers, the number of layers (at least 1)")
         return _Initialised(layer_init, num_layers)
 
-    def _open(self, plan: LayerPlan) -> None:
+    def _open(self, plan: LayerPlan, intent: resume.Intent) -> None:
         config = self.config
         paths = open_configured(config)
         try:
-            resume.check_paths(paths, plan.plan, config.subgroup_size, intent="resume" if self.resume else "init")
+            resume.check_paths(paths, plan.plan, config.subgroup_size, intent=intent)
             stream = build_stream(
                 self.inner,
                 stream_config(plan, config),
@@ -455,6 +482,16 @@ class LayerStream(ClosesOnExit):
     def _check_open(self) -> None:
         if self._closed:
             raise OffloadError("this stream_layers is closed; create a new one (with resume=True to continue)")
+
+    def pin(self) -> Pin:
+        """Flushes, then pins the tiers' step, so a reader beside training (a checkpoint save) finds its records."""
+        self._initialised()
+        return self._stream.pin()
+
+    def read_pinned(self, pin: Pin, record: int) -> Any:
+        """Record ``record``'s fields at the pinned step (see :meth:`TierStack.read_pinned`), then unpinned."""
+        self._initialised()
+        return self._stream.tiers.read_pinned(pin, record)
 
     def flush(self) -> None:
         """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""

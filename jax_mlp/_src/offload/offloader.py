@@ -202,8 +202,7 @@ class Offloader(ClosesOnExit):
             populate(live, planned.leaves)
             for path in paths:
                 path.write_run_file(resume.run_identity(plan, config.subgroup_size))
-            if jax.process_count() > 1:
-                peers.barrier(f"{self._peer_key}/init", config.peer_timeout, "the end of init")
+            peers.barrier(f"{self._peer_key}/init", config.peer_timeout, "the end of init")
         except BaseException:
             if stream is not None:
                 stream.engine.close()

@@ -143,6 +143,26 @@ def _one_layer_sharding(stacked: Any, path: str) -> jax.sharding.Sharding | None
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]), memory_kind="device")
 
 
+def _check_processes(paths: Sequence[str], sharding: LeafSharding) -> None:
+    """With several processes, every leaf must span all of them: the per-layer programs are global computations.
+
+    Raises:
+      OffloadError: a leaf on one device, or on some processes' devices only, naming it.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return
+    for path, leaf_sharding in zip(paths, sharding.shardings, strict=True):
+        processes = set() if leaf_sharding is None else {d.process_index for d in leaf_sharding.device_set}
+        if len(processes) < count:
+            raise OffloadError(
+                f"with {count} jax processes, every param of a layer-streamed model must be a jax.Array over devices "
+                f"of every process, but {path} is {'on one device' if not processes else 'on some processes only'}: "
+                "shard it or replicate it over a mesh of all the devices (e.g. NamedSharding(mesh, PartitionSpec()) "
+                "for a replicated one)"
+            )
+
+
 def _param_layout(plan: Plan, subgroup: Subgroup) -> RecordLayout:
     """A params record: each piece's params in the param dtype, back to back, 64-byte aligned."""
     fields, offset = [], 0
@@ -189,6 +209,7 @@ def make_layer_plan(
         units.append(Unit(f"layer {index}" if index < num_layers else "outer", leaves, subgroups))
     layouts = tuple(_param_layout(plan, sg) for sg in plan.subgroups)
     sharding = LeafSharding.of(jax.tree_util.tree_leaves(tree))
+    _check_processes(partition.paths_of(tree), sharding)
     return LayerPlan(plan, tuple(units), layer_treedef, outer_treedef, layouts, sharding)
 
 

@@ -357,9 +357,8 @@ class StateStream:
         self._open = None
         self.step = transaction.step + 1
         self._finish(self.step, timings, compiles, transaction.background_wait, notes)
-        if jax.process_count() > 1:
-            what = f"the end of update step {self.step}"
-            peers.barrier(f"{self._peer_key}/update/{self.step}", self.config.peer_timeout, what)
+        what = f"the end of update step {self.step}"
+        peers.barrier(f"{self._peer_key}/update/{self.step}", self.config.peer_timeout, what)
 
     def _storer(
         self, step: int, placement: tuple[int, ...], cached: frozenset[int] | None = None
