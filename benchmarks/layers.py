@@ -114,14 +114,28 @@ def in_memory_tokens_per_s(shape: tuple[int, int], steps: int) -> float:
     return TOKENS / statistics.median(seconds)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, float]:
+    """The options of a benchmark on a throttled device (its rate each way, steps, runs, output folder), and
+    the rate in bytes/s."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="200MB/s", help="the device's throttle, each way")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
-    rate = jax_mlp.parse_rate(args.rate)
+    return args, jax_mlp.parse_rate(args.rate)
+
+
+def save(result: dict, out: str, name: str) -> dict:
+    """Writes ``result`` as ``name`` into the folder ``out``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, rate = parse(__doc__, argv)
     rows = []
     for name, shape in SHAPES.items():
         with tempfile.TemporaryDirectory() as scratch:
@@ -156,11 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{row['step_over_bound']:.2f}x the bound; {row['tokens_per_s']:.0f} tokens/s "
                 f"({in_memory:.0f} in memory)"
             )
-    result = {"rate": rate, "tokens_per_step": TOKENS, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "layers.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return save({"rate": rate, "tokens_per_step": TOKENS, "rows": rows}, args.out, "layers.json")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,62 @@ def test_a_clipping_that_fires_is_exact_and_rolled_back(tmp_path):
     assert_close_to_optax(got, expected, (outer, stacked))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16 with fp32 remainder masters, 4 micro-batches"])
+def test_a_deferred_update_gives_the_bits_of_the_speculated_one_and_never_redoes(dtype, tmp_path):
+    """``clipping="defer"`` stores each layer's grads and updates each layer just before the next forward computes
+    with it: the same programs on the same grads, scaled by the same norm, so the same bits as speculating, with
+    nothing redone, while the speculation redoes the steps whose clipping fired."""
+    bf16 = dtype != "float32"
+    outer, stacked = model(jnp.bfloat16 if bf16 else jnp.float32)
+    options = dict(OPTIONS, master_dtype=jnp.float32, master_storage="remainder", microbatches=4) if bf16 else OPTIONS
+    inner = optax.sgd(1e-2, momentum=0.9)
+    clip = 6.0  # fires in some of the steps
+    runs = {}
+    for clipping in ("speculate", "defer"):
+        paths = [tmp_path / clipping]
+        with jax_mlp.stream_layers(STACK, inner, max_grad_norm=clip, clipping=clipping, paths=paths, **options) as s:
+            runs[clipping], _ = train(s, outer, stacked, range(6))
+            runs[clipping, "redone"] = s.rolled_back
+    assert 0 < runs["speculate", "redone"] < 6 and runs["defer", "redone"] == 0
+    assert_same_bits(runs["defer"], runs["speculate"], f"defer against speculate, {dtype}")
+
+
+def test_a_deferred_update_waits_in_the_tiers_until_the_next_forward_or_a_flush(tmp_path):
+    """After a step the tiers hold the step before it and the grads; the next forward (or anything that reads the
+    params, or a save) runs the update first. Each step writes and reads the grads once more than speculating."""
+    from jax_mlp._src.cli.streamed import streamed_bytes
+
+    outer, stacked = model()
+    options = dict(max_grad_norm=6.0, clipping="defer", subgroup_size="2KiB")
+    with jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / "tiers"], **options) as stream:
+        state = stream.init(outer, stacked)
+        records = stream._stream.record_bytes
+        subgroups = len(stream.plan.plan.subgroups)
+        params_bytes = sum(records[subgroups : 2 * subgroups])
+        last_layer = sum(records[subgroups + k] for k in stream.plan.units[-2].subgroups)
+        read, write = streamed_bytes(params_bytes, sum(records[:subgroups]), 0, last_layer, params_bytes)
+        for step in range(4):
+            _, state = stream.step(state, batch_at(step))
+            assert int(state.step) == step + 1 and stream.step_count == step  # its update waits
+            if step > 1:  # from one commit to the next: a backward, then a forward's update (the first: two forwards)
+                stats = stream.stats
+                assert (sum(stats.bytes_read.values()), sum(stats.bytes_written.values())) == (read, write), step
+        before = stream.params()  # runs the update
+        assert stream.step_count == 4
+        _, state = stream.step(state, batch_at(4))
+    options.pop("clipping")
+    with jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / "again"], **options) as stream:
+        speculated, _ = train(stream, outer, stacked, range(4))
+    assert_same_bits(before, speculated, "the deferred update run by params()")
+
+
+def test_a_deferred_clipping_needs_a_norm_to_wait_for(tmp_path):
+    with pytest.raises(jax_mlp.OffloadError, match="clipping='defer' holds each update back"):
+        jax_mlp.stream_layers(STACK, optax.adam(1e-2), clipping="defer", paths=[tmp_path])
+    with pytest.raises(jax_mlp.OffloadError, match="clipping must be one of 'speculate', 'defer'"):
+        jax_mlp.stream_layers(STACK, optax.adam(1e-2), max_grad_norm=1.0, clipping="late", paths=[tmp_path])
+
+
 def test_against_the_whole_model_in_optax(tmp_path):
     """Per-layer programs against ``jax.grad`` of the whole model and optax in memory: the core tolerance."""
     outer, stacked = model()
@@ -282,11 +338,12 @@ CHILD = textwrap.dedent(
     import optax
     import jax_mlp
     from jax_mlp._src.storage.paths import PathStore
-    from test_layers import STACK, CRASH_OPTIONS, CRASH_STEPS, KILLED_AT, batch_at, model
+    from test_layers import STACK, CRASH_OPTIONS, CRASH_STEPS, DEFERRED, KILLED_AT, batch_at, model
 
     root, point = sys.argv[2], sys.argv[3]
     write, fetch = PathStore.write, PathStore.read
-    stream = jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[f"{root}/a", f"{root}/b"], **CRASH_OPTIONS)
+    options = DEFERRED if point == "deferred update" else {}
+    stream = jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[f"{root}/a", f"{root}/b"], **CRASH_OPTIONS, **options)
     seen = []
 
     def die(**where):
@@ -295,7 +352,8 @@ CHILD = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     def writing(self, record, slot, data):
-        if stream.step_count == KILLED_AT and slot == (KILLED_AT + 1) % 2 and point == "update":
+        committed = record < 2 * len(stream.plan.plan.subgroups)  # not a deferred update's grads
+        if stream.step_count == KILLED_AT and slot == (KILLED_AT + 1) % 2 and point != "forward" and committed:
             seen.append(record)
             if len(seen) == 5:  # a record of step KILLED_AT + 1 half written, others not yet
                 torn = data.copy()
@@ -320,13 +378,17 @@ CHILD = textwrap.dedent(
     """
 )
 CRASH_OPTIONS = dict(OPTIONS, host_cache=0)  # every record on the paths once its step is committed
+DEFERRED = dict(max_grad_norm=6.0, clipping="defer")
 
 
-@pytest.mark.parametrize("point", ["forward", "update"])
+@pytest.mark.parametrize("point", ["forward", "update", "deferred update"])
 def test_kill_9_mid_step_resumes_from_the_tiers_bitwise(point, tmp_path):
-    """Killed while the forward reads, or with a params record of the next step half written: the tiers hold the
-    last committed step's params and state, and training resumed from them ends bitwise where it would have."""
+    """Killed while the forward reads, or with a params record of the next step half written (by the update in the
+    backward, or by the deferred one in the next forward): the tiers hold the last committed step's params and
+    state, and training resumed from them ends bitwise where it would have (a deferred update's grads, lost, are
+    made again by the step run again)."""
     inner = optax.adam(1e-2)
+    options = DEFERRED if point == "deferred update" else {}
     child = subprocess.run(
         [sys.executable, "-c", CHILD, str(Path(__file__).parent), str(tmp_path), point],
         capture_output=True,
@@ -337,13 +399,13 @@ def test_kill_9_mid_step_resumes_from_the_tiers_bitwise(point, tmp_path):
     outer, stacked = model()
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (outer, stacked))
     paths = [tmp_path / "a", tmp_path / "b"]
-    with jax_mlp.stream_layers(STACK, inner, paths=paths, resume=True, **CRASH_OPTIONS) as stream:
+    with jax_mlp.stream_layers(STACK, inner, paths=paths, resume=True, **CRASH_OPTIONS, **options) as stream:
         state = stream.init(*like)
         assert int(state.step) == KILLED_AT
         for step in range(KILLED_AT, CRASH_STEPS):
             _, state = stream.step(state, batch_at(step))
         resumed = stream.params()
-    with jax_mlp.stream_layers(STACK, inner, paths=[tmp_path / "whole"], **CRASH_OPTIONS) as stream:
+    with jax_mlp.stream_layers(STACK, inner, paths=[tmp_path / "whole"], **CRASH_OPTIONS, **options) as stream:
         uninterrupted, _ = train(stream, outer, stacked, range(CRASH_STEPS))
     assert_same_bits(resumed, uninterrupted, f"killed in the {point}")
 

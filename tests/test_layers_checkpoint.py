@@ -28,9 +28,9 @@ def train_and_save(tmp_path, inner, outer, stacked, **options):
     ):
         state = stream.init(outer, stacked)
         for step in range(STEPS):
-            if step == SAVED_AT:
-                saved = stream.params()
+            if step == SAVED_AT:  # a deferred update of the last step: the save runs it first
                 manager.save(step, args=ocp.args.Composite(model=jax_mlp.OffloadSave(stream)))
+                saved = stream.params()
             _, state = stream.step(state, batch_at(step))
         manager.wait_until_finished()
         return saved, stream.params()
@@ -51,11 +51,15 @@ def restore_and_train(tmp_path, inner, outer, stacked, **options):
         return stream.params()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16 with fp32 remainder masters"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16 with fp32 remainder masters", "float32, updates deferred"])
 def test_a_checkpoint_saved_beside_training_restores_on_other_paths_and_ends_bitwise(dtype, tmp_path):
-    bf16 = dtype != "float32"
+    """Restored on other paths with another host cache; saved beside training (after a step whose update was
+    deferred, the save runs that update first)."""
+    bf16 = dtype.startswith("bfloat16")
     outer, stacked = model(jnp.bfloat16 if bf16 else jnp.float32)
     options = dict(OPTIONS, master_dtype=jnp.float32, master_storage="remainder") if bf16 else OPTIONS
+    if dtype.endswith("deferred"):
+        options = dict(OPTIONS, max_grad_norm=6.0, clipping="defer")
     inner = optax.adam(1e-2)
     _, uninterrupted = train_and_save(tmp_path, inner, outer, stacked, **options)
     resumed = restore_and_train(tmp_path, inner, outer, stacked, **dict(options, host_cache="1KiB"))

@@ -4,6 +4,7 @@ sharded over a mesh of all 8 (FSDP over processes), each process streaming its o
 from __future__ import annotations
 
 import os
+import re
 import signal
 import textwrap
 import time
@@ -43,8 +44,9 @@ CHILD = textwrap.dedent(
     paths = [os.path.join(root, f"nvme{me}"), os.path.join(root, "pfs")]
     if mode == "die":  # slow paths, so that a kill lands in the middle of a step
         paths = [jax_mlp.Path(p, max_read="10KB/s", max_write="10KB/s") for p in paths]
+    clipping = "speculate" if mode == "train" else "defer"  # the killed run defers each update to the next forward
     stream = lambda: jax_mlp.stream_layers(  # noqa: E731
-        STACK, optax.adam(1e-2), max_grad_norm=CLIP, microbatches=2, paths=paths, peer_timeout=10,
+        STACK, optax.adam(1e-2), max_grad_norm=CLIP, clipping=clipping, microbatches=2, paths=paths, peer_timeout=10,
         subgroup_size="512B", resume=mode == "resume",
     )
     if mode == "train":  # a leaf on one device cannot join the layer programs of two processes
@@ -120,9 +122,10 @@ def test_two_processes_stream_their_shards_and_train_as_the_whole_model_in_optax
 
 
 def test_a_peer_killed_mid_step_ends_the_survivor_and_both_resume_from_the_tiers(tmp_path):
-    """A peer killed with ``kill -9`` in the middle of step 2: the survivor, waiting in a layer program's
-    collective, is ended by jax.distributed's heartbeat (it does not hang); restarted, both resume at the last
-    step every process committed and end as the whole model in optax."""
+    """A peer killed with ``kill -9`` in the middle of step 2, updates deferred to the next forward: the survivor,
+    waiting in a layer program's collective, is ended by jax.distributed's heartbeat (it does not hang);
+    restarted, both resume at the last step every process committed (the deferred update of step 1 runs in step
+    2's forward: 1 or 2) and end as the whole model in optax."""
     survivor, victim = launch(tmp_path, "die", CHILD)
     while True:
         line = victim.stdout.readline()
@@ -137,5 +140,6 @@ def test_a_peer_killed_mid_step_ends_the_survivor_and_both_resume_from_the_tiers
     assert time.monotonic() - killed < 60
     assert survivor.returncode != 0, err[-4000:]
     outputs = finish(launch(tmp_path, "resume", CHILD))
-    assert all(f"init at {KILLED_AT}" in out for out in outputs), outputs
+    resumed = {int(re.search(r"^init at (\d+)$", out, re.MULTILINE).group(1)) for out in outputs}
+    assert len(resumed) == 1 and resumed <= {KILLED_AT - 1, KILLED_AT}, outputs
     assert_as_the_whole_model_in_optax(tmp_path)

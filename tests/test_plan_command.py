@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -265,3 +266,24 @@ def test_mistakes_are_one_line_and_status_2(args, message, capsys):
     assert cli.main(["plan", *args, *paths]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("jax-mlp plan: error:") and message in error and len(error.splitlines()) == 1, error
+
+
+def test_a_layer_streamed_plan_adds_the_grads_each_way_when_the_update_is_deferred(capsys):
+    """``--params-in tiers``: the step's bytes are ``streamed_bytes``'s (the formula the library's own counts meet,
+    ``tests/test_layers.py``), each path's share of them; ``--clipping defer`` adds the grads, the params' bytes."""
+    from jax_mlp._src.cli.streamed import streamed_bytes
+
+    node = ["--params", "175B", "--master", "--params-in", "tiers", "--layers", "96", "--processes-per-node", "4"]
+    node += ["--paths", "nvme=6.5GB/s:3GB/s", "lustre=3GB/s:2GB/s", "--host-cache", "200GiB", "--compute-s", "60"]
+    said = {}
+    for clipping in ("speculate", "defer"):
+        out = plan(capsys, *node, "--clipping", clipping)
+        said[clipping] = [
+            parse_size(re.search(rf"{part} ([\d.]+ \w+) \(", out).group(1)) for part in ("reads", "writes")
+        ]
+        assert "predicted step" in out
+    params = parse_size(re.search(r"params records ([\d.]+ \w+),", out).group(1))
+    state = parse_size(re.search(r"state records ([\d.]+ \w+) per", out).group(1))
+    read, write = streamed_bytes(params, state, parse_size("200GiB") / 4, params / 96)  # the cache per process
+    assert said["speculate"] == pytest.approx([read, write], rel=1e-3)
+    assert said["defer"] == pytest.approx([read + params, write + params], rel=1e-3)

@@ -28,6 +28,7 @@ def stream_layers(
     inner: optax.GradientTransformation,
     *,
     max_grad_norm: float | None = None,
+    clipping: Literal["speculate", "defer"] = "speculate",
     microbatches: int = 1,
     activations: Literal["device", "pinned_host"] = "device",
     resume: bool = False,
@@ -50,6 +51,12 @@ def stream_layers(
       inner: an element-wise optax optimizer, as for :func:`~jax_mlp.mlp_offload`. It sees the tree
         ``{"layers": [layer_0, ..., layer_{L-1}], "outer": outer}``.
       max_grad_norm: clip the grads to this global norm, as ``optax.clip_by_global_norm`` does.
+      clipping: when a step's update runs, the global norm being known only once its backward ends:
+        ``"speculate"`` (the default) updates during the backward on the unclipped grads, and when the
+        clipping fires undoes the update and runs the backward again with the grads scaled;
+        ``"defer"`` writes each layer's grads to the tiers and updates each layer just before the next
+        step's forward computes with it (GreedySnake's order: never redone, but the grads are written and
+        read every step). Both give the same bits; docs/layers.md says when each wins.
       microbatches: split each batch into this many micro-batches along axis 0; each layer runs them
         all before the next (layer-major), and their grads are averaged in order.
       activations: where each layer's input waits between the forward and the backward: ``"device"``
@@ -90,6 +97,7 @@ def stream_layers(
         inner,
         config,
         max_grad_norm=max_grad_norm,
+        clipping=clipping,
         microbatches=microbatches,
         activations=activations,
         resume=resume,

@@ -131,7 +131,8 @@ def handle(args: argparse.Namespace) -> int:
         )
     if args.params_in == "tiers":
         endurance = None if args.endurance is None else parse_size(args.endurance, name="--endurance")
-        print_streamed(streamed_step(work, speeds, cache, compute.seconds), work, endurance)
+        deferred = args.clipping == "defer"
+        print_streamed(streamed_step(work, speeds, cache, compute.seconds, deferred=deferred), work, endurance)
         return 0
     if args.json:
         mechanisms = list(zip(ABLATION, variants, strict=True))
@@ -274,6 +275,13 @@ COMMAND = Command(
             help="where the params and grads live: on the devices; in host memory (pinned_host), streamed "
             "through the devices a layer at a time, as in examples/host_params.py; or in the tiers with the "
             "state, a layer-streamed run (jax_mlp.stream_layers, docs/layers.md) (default: %(default)s)",
+        ),
+        argument(
+            "--clipping",
+            choices=("speculate", "defer"),
+            default="speculate",
+            help="with --params-in tiers: when a clipped step's update runs (stream_layers' clipping); defer "
+            "writes and reads the grads every step (default: %(default)s)",
         ),
         argument(
             "--endurance",

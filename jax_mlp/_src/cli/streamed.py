@@ -39,6 +39,7 @@ class StreamedStep(NamedTuple):
         and one layer's new params (activations not counted).
       paths: per path: its share, bytes read and written, busy seconds.
       seconds: the step: its slowest path, or the forward and backward if longer (None: unknown).
+      deferred: the updates are deferred to the next forward (``G``, the grads, written and read).
     """
 
     params_bytes: float
@@ -48,26 +49,34 @@ class StreamedStep(NamedTuple):
     device_bytes: float
     paths: tuple[dict[str, float | str], ...]
     seconds: float | None
+    deferred: bool = False
 
 
 def streamed_bytes(
-    params_bytes: float, state_bytes: float, cache_bytes: float, layer_bytes: float
+    params_bytes: float, state_bytes: float, cache_bytes: float, layer_bytes: float, grads_bytes: float = 0
 ) -> tuple[float, float]:
     """``(read, write)`` bytes of one step: the params read by the forward and, but for the last layer's
-    ``layer_bytes``, by the backward (less the cache's turnarounds), the state once, and both written once."""
+    ``layer_bytes``, by the backward (less the cache's turnarounds), the state once, and both written once;
+    the grads (``grads_bytes``, with ``clipping="defer"``) written once and read once."""
     backward = params_bytes - layer_bytes
     read = params_bytes - min(cache_bytes, params_bytes) + backward - min(cache_bytes, backward) + state_bytes
-    return read, params_bytes + state_bytes
+    return read + grads_bytes, params_bytes + state_bytes + grads_bytes
 
 
 def streamed_step(
-    work: Workload, speeds: Sequence[PathSpeed], cache_bytes: float, compute_seconds: float | None
+    work: Workload,
+    speeds: Sequence[PathSpeed],
+    cache_bytes: float,
+    compute_seconds: float | None,
+    *,
+    deferred: bool = False,
 ) -> StreamedStep:
-    """A layer-streamed step of ``work`` on ``speeds``' paths, with ``cache_bytes`` of host cache per process."""
+    """A layer-streamed step of ``work`` on ``speeds``' paths, with ``cache_bytes`` of host cache per process;
+    ``deferred``: each update deferred to the next forward, the grads (as many bytes as the params) stored."""
     processes = work.nodes * work.processes_per_node
     params = work.params * work.param_bytes / processes
     state = work.state_bytes
-    read, write = streamed_bytes(params, state, cache_bytes, params / work.layers)
+    read, write = streamed_bytes(params, state, cache_bytes, params / work.layers, params if deferred else 0)
     shares = best_split(speeds)
     paths = []
     for speed, share in zip(speeds, shares, strict=True):
@@ -76,15 +85,16 @@ def streamed_step(
     slowest = max(p["s"] for p in paths)
     seconds = None if compute_seconds is None else max(slowest, compute_seconds)
     layer = work.params * work.param_bytes / work.layers / work.devices
-    return StreamedStep(params, state, read, write, 6 * layer, tuple(paths), seconds)
+    return StreamedStep(params, state, read, write, 6 * layer, tuple(paths), seconds, deferred)
 
 
 def print_streamed(step: StreamedStep, work: Workload, endurance: float | None) -> None:
     """The tables of a layer-streamed run: bytes per step per path, wear, device memory."""
     print(
         f"layer-streamed step (--params-in tiers): params records {format_bytes(step.params_bytes)}, state records "
-        f"{format_bytes(step.state_bytes)} per process; reads {format_bytes(step.read_bytes)} (2P - U - cache + S), "
-        f"writes {format_bytes(step.write_bytes)} (P + S) per step; a device holds "
+        f"{format_bytes(step.state_bytes)} per process; reads {format_bytes(step.read_bytes)} "
+        f"(2P - U - cache + S{' + G' * step.deferred}), writes {format_bytes(step.write_bytes)} "
+        f"(P + S{' + G' * step.deferred}) per step; a device holds "
         f"{format_bytes(step.device_bytes)} of params and grads ({work.layers} layers: 3 layers' params, 2 layers' "
         "grads, 1 layer's new params) besides the activations"
     )

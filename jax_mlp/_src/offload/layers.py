@@ -18,15 +18,19 @@ of jitted per-layer programs, with no callbacks:
   committed step whole: its state and its params.
 
 With ``max_grad_norm`` the grads are clipped as ``optax.clip_by_global_norm`` clips them. The norm is
-known only once the backward ends, so the update runs speculatively on the unclipped grads; if the
-clipping fires, the transaction is undone (nothing committed) and the backward runs again with the
-grads scaled. Gradient accumulation is layer-major: each layer runs all ``microbatches`` before the
+known only once the backward ends, so by default (``clipping="speculate"``) the update runs on the
+unclipped grads; if the clipping fires, the transaction is undone (nothing committed) and the backward
+runs again with the grads scaled. With ``clipping="defer"`` the backward stores each unit's grads in
+its grads records instead, and the update runs in the next step's forward, in the forward's order,
+each unit's new params going straight to the forward (the outer params, then the layers), committed
+once the forward's last layer is updated. Gradient accumulation is layer-major: each layer runs all ``microbatches`` before the
 next, so its params are read once per step, and its grads are summed in micro-batch order.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -51,7 +55,7 @@ from jax_mlp._src.plan.layer_programs import (
     split_batch,
     squares,
 )
-from jax_mlp._src.plan.layers import LayerPlan, Unit, backward_order, check_host_memory, stream_config
+from jax_mlp._src.plan.layers import LayerPlan, Unit, check_host_memory, stream_config, update_order
 from jax_mlp._src.plan.partition import Piece
 from jax_mlp._src.plan.programs import Uniform
 from jax_mlp._src.plan.sharding import DEVICE_MEMORY, MEMORY_KINDS, in_memory
@@ -67,6 +71,9 @@ from jax_mlp._src.stream.state_stream import StateStream
 class LayerStream(ClosesOnExit):
     """A layer-streamed model's training: :meth:`init` fills the tiers, :meth:`step` runs one training step.
 
+    With ``clipping="defer"`` a step returns with its update pending; the next step's forward runs it,
+    and so do ``flush``, ``close``, ``params``, ``unit_params`` and ``pin`` (a checkpoint save) first.
+
     Made by :func:`stream_layers`. Its params, grads and optimizer state live in the tiers; host RAM
     holds the cache and a few units' staging, the device about two units' params, one unit's grads and
     the layers' inputs.
@@ -79,11 +86,22 @@ class LayerStream(ClosesOnExit):
         config: OffloadConfig,
         *,
         max_grad_norm: float | None,
+        clipping: Literal["speculate", "defer"],
         microbatches: int,
         activations: Literal["device", "pinned_host"],
         resume: bool,
         on_stats: Callable[[UpdateStats], None] | None,
     ):
+        if clipping not in CLIPPINGS:
+            raise OffloadError(
+                f"clipping must be one of {', '.join(map(repr, CLIPPINGS))} (when a clipped step's update runs), "
+                f"got {clipping!r}"
+            )
+        if clipping == "defer" and max_grad_norm is None:
+            raise OffloadError(
+                "clipping='defer' holds each update back until the global norm of the grads is known, for "
+                "max_grad_norm; without max_grad_norm there is nothing to wait for: leave clipping at its default"
+            )
         if microbatches < 1:
             raise OffloadError(f"microbatches must be at least 1, got {microbatches}")
         if activations not in MEMORY_KINDS:
@@ -101,6 +119,7 @@ class LayerStream(ClosesOnExit):
         self.inner = optax.with_extra_args_support(inner)
         self.config = config
         self.max_grad_norm = max_grad_norm
+        self.clipping = clipping
         self.microbatches = microbatches
         self.activations = activations
         self.resume = resume
@@ -112,6 +131,8 @@ class LayerStream(ClosesOnExit):
         self._readers = concurrent.futures.ThreadPoolExecutor(
             config.prefetch_depth, thread_name_prefix="jax_mlp-params"
         )
+        self._writers = concurrent.futures.ThreadPoolExecutor(config.write_depth, thread_name_prefix="jax_mlp-grads")
+        self._pending: _Pending | None = None  # the deferred update the next forward runs
         self._device = jax.local_devices()[0]
         self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
@@ -131,8 +152,12 @@ class LayerStream(ClosesOnExit):
 
     @property
     def step_count(self) -> int:
-        """The step the tiers hold."""
+        """The step the tiers hold (with ``clipping="defer"``, the last step's update may still wait: see ``flush``)."""
         return 0 if self._stream is None else self._stream.step
+
+    @property
+    def _defers(self) -> bool:
+        return self.clipping == "defer"
 
     # ----------------------------------------------------------------------------- init
 
@@ -159,7 +184,12 @@ class LayerStream(ClosesOnExit):
         layer_of = self._layers_source(layers, layer_init, num_layers)
         plan = self.plan_for(outer, *layer_of.shapes)
         if self.resume:
-            return self._initialise(plan, lambda: resume.resume_at(self._stream, peer_key="jax_mlp/layers"), "resume")
+            records = 2 * len(plan.plan.subgroups)  # state and params: grads records are never committed
+
+            def resume_at() -> None:
+                resume.resume_at(self._stream, peer_key="jax_mlp/layers", records=records)
+
+            return self._initialise(plan, resume_at, "resume")
         return self._initialise(plan, lambda: self._write_initial_state(plan, _as_arrays(outer), layer_of), "init")
 
     def plan_for(self, outer: Any, one_layer: Any, num_layers: int) -> LayerPlan:
@@ -236,12 +266,12 @@ class LayerStream(ClosesOnExit):
                 "jax_mlp/layers",
                 self.on_stats,
                 {},
-                plan.param_layouts,
+                plan.param_layouts * (2 if self._defers else 1),  # the grads records too, where the update waits
             )
         except BaseException:
             release_paths(paths)
             raise
-        stream.scheduler.follow(backward_order(plan))
+        stream.scheduler.follow(update_order(plan, deferred=self._defers))
         self._plan, self._stream, self._devices = plan, stream, plan.devices(self._device)
 
     def _write_initial_state(self, plan: LayerPlan, outer: Any, layer_of: Any) -> None:
@@ -278,33 +308,49 @@ class LayerStream(ClosesOnExit):
 
     # ----------------------------------------------------------------------------- the step
 
+    def _read_unit(self, unit: Unit, step: int, fetch: Callable[[int, int], list]) -> list[jax.Array]:
+        """``unit``'s leaves on the device from its subgroups' records, ``fetch(k, step)`` giving subgroup k's pieces
+        (its params, or its stored grads); a sharded leaf's blocks assembled with its sharding."""
+        plan = self._plan
+        specs = plan.plan.leaves
+        parts: dict[tuple, list[tuple[Piece, np.ndarray]]] = {}
+        device_of: dict[tuple, jax.Device] = {}
+        for k in unit.subgroups:
+            subgroup = plan.plan.subgroups[k]
+            for piece, value in zip(subgroup.pieces, fetch(k, step), strict=True):
+                parts.setdefault((piece.leaf, piece.device), []).append((piece, value))
+                device_of[piece.leaf, piece.device] = self._devices[k]
+        blocks = {}
+        for key, chunks in parts.items():
+            chunks.sort(key=lambda pv: 0 if pv[0].rows is None else pv[0].rows[0])
+            host = chunks[0][1] if len(chunks) == 1 else np.concatenate([v for _, v in chunks])
+            shape = partition.piece_shape(specs[key[0]], chunks[0][0]._replace(rows=None))
+            blocks[key] = jax.device_put(host.reshape(shape), device_of[key])
+        return plan.sharding.assemble(plan.plan, blocks, unit.leaves)
+
     def _unit_params(self, unit: Unit, step: int) -> concurrent.futures.Future:
         """Reads ``unit``'s params records at ``step`` on a reader thread; the future gives its leaves on the device."""
-        plan, stream = self._plan, self._stream
+        return self._readers.submit(self._read_unit, unit, step, self._stream.fetch_params)
 
-        def read() -> list[jax.Array]:
-            specs = plan.plan.leaves
-            parts: dict[tuple, list[tuple[Piece, np.ndarray]]] = {}
-            device_of: dict[tuple, jax.Device] = {}
-            for k in unit.subgroups:
-                subgroup = plan.plan.subgroups[k]
-                for piece, value in zip(subgroup.pieces, stream.fetch_params(k, step), strict=True):
-                    parts.setdefault((piece.leaf, piece.device), []).append((piece, value))
-                    device_of[piece.leaf, piece.device] = self._devices[k]
-            blocks = {}
-            for key, chunks in parts.items():
-                chunks.sort(key=lambda pv: 0 if pv[0].rows is None else pv[0].rows[0])
-                host = chunks[0][1] if len(chunks) == 1 else np.concatenate([v for _, v in chunks])
-                shape = partition.piece_shape(specs[key[0]], chunks[0][0]._replace(rows=None))
-                blocks[key] = jax.device_put(host.reshape(shape), device_of[key])
-            return plan.sharding.assemble(plan.plan, blocks, unit.leaves)
-
-        return self._readers.submit(read)
+    def _params_and_grads(self, unit: Unit, step: int) -> concurrent.futures.Future:
+        """Reads ``unit``'s params at ``step`` and the grads stored for its update to ``step + 1``, on a reader thread."""
+        stream = self._stream
+        return self._readers.submit(
+            lambda: (
+                self._read_unit(unit, step, stream.fetch_params),
+                self._read_unit(unit, step + 1, stream.fetch_grads),
+            )
+        )
 
     def _tree(self, unit: Unit, leaves: Sequence[jax.Array]) -> Any:
         plan = self._plan
         treedef = plan.outer_treedef if unit is plan.outer else plan.layer_treedef
         return jax.tree_util.tree_unflatten(treedef, list(leaves))
+
+    def _keys(self, unit: Unit) -> list[tuple]:
+        """The update's block keys (leaf, device) of ``unit``, in plan order."""
+        subgroups = self._plan.plan.subgroups
+        return list(dict.fromkeys((p.leaf, p.device) for k in unit.subgroups for p in subgroups[k].pieces))
 
     def step(self, state: OffloadState, batch: Any) -> tuple[jax.Array, OffloadState]:
         """One training step: forward, backward and update, layer by layer; returns the loss and the new handle.
@@ -325,7 +371,8 @@ class LayerStream(ClosesOnExit):
         self._check_open()
         stream, plan = self._stream, self._plan
         step = int(state.step)
-        stream.check_step(step)
+        pending = self._pending
+        stream.check_step(step if pending is None else step - 1)
         micro = split_batch(batch, self.microbatches)
         shared = inputs.check_shared(stream.programs.shared_shapes, state.shared)
         shared_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stream.programs.shared_shapes), shared)
@@ -333,21 +380,28 @@ class LayerStream(ClosesOnExit):
         leaves = jax.tree_util.tree_leaves
         uniform = Uniform(tuple(leaves(shared_tree)), tuple(leaves(new_shared)), {})
 
-        outer_unit, layer_units = plan.outer, plan.units[:-1]
-        outer = self._tree(outer_unit, self._unit_params(outer_unit, step).result())
-        xs = [self._jitted.embed(outer, b) for b in micro]
-        kept: list[list[Any]] = []
-        ahead = self._read_ahead(layer_units, step, max(1, self.config.prefetch_depth // 2))
+        units = [plan.outer, *plan.units[:-1]]
         update = None
         scale = None
         try:
-            for index in range(len(layer_units)):
-                last = next(ahead).result()  # the last layer's stay on the device for the backward's first
-                if index == len(layer_units) - 1:  # the forward's reads are done: the update's state reads begin
-                    update = LayerUpdate(stream, plan.plan, uniform, self._devices, self.config.io_timeout)
+            if pending is None:
+                ahead = self._read_ahead(units, functools.partial(self._unit_params, step=stream.step))
+            else:  # the last step's deferred update, each unit's just before this forward computes with it
+                update = self._new_update(pending.uniform, fresh=True)
+                ahead = self._applied(update, pending.scale, units)
+            outer = self._tree(plan.outer, next(ahead))
+            xs = [self._jitted.embed(outer, b) for b in micro]
+            kept: list[list[Any]] = []
+            for index, unit in enumerate(units[1:]):
+                last = next(ahead)  # the last layer's stay on the device for the backward's first
+                if index == len(units) - 2 and pending is None and not self._defers:  # the update's reads begin
+                    update = self._new_update(uniform)
                 kept.append([in_memory(x, self.activations) for x in xs])
-                xs = [self._jitted.layer(self._tree(layer_units[index], last), x) for x in xs]
+                xs = [self._jitted.layer(self._tree(unit, last), x) for x in xs]
                 jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
+            if pending is not None:  # the deferred update is whole: commit it
+                self._end(update, None)
+                self._pending, update = None, None
             losses, head_grads, gys = [], [], []
             for x, b in zip(xs, micro, strict=True):
                 loss, (g_outer, gy) = self._jitted.head(outer, x, b)
@@ -355,45 +409,78 @@ class LayerStream(ClosesOnExit):
                 head_grads.append(g_outer)
                 gys.append(gy)
             del xs
-            sums = self._backward(update, micro, kept, head_grads, gys, step, scale, last)
-            if self.max_grad_norm is not None:
-                norm = jnp.sqrt(sum(sums[i] for i in range(len(plan.plan.leaves))))
-                if not bool(norm < self.max_grad_norm):
-                    scale = norm
+            if self._defers:
+                sums = self._backward(self._storer(), micro, kept, head_grads, gys, last)
+                self._pending = _Pending(self._scale(sums), uniform)
+            else:
+                sums = self._backward(self._giver(update, None), micro, kept, head_grads, gys, last)
+                if self.max_grad_norm is not None and (scale := self._scale(sums)) is not None:
                     update.abort("the clipping fired: the step is redone with the clipped grads")
                     self.rolled_back += 1
-                    update = LayerUpdate(stream, plan.plan, uniform, self._devices, self.config.io_timeout)
-                    self._backward(update, micro, kept, head_grads, gys, step, scale, None)
-            _, timings, compiles = update.finish()
+                    update = self._new_update(uniform)
+                    self._backward(self._giver(update, scale), micro, kept, head_grads, gys, None)
+                self._end(update, scale)
         except BaseException:
             if update is not None:
                 update.abort("the step failed")
             raise
-        stream.end(update.transaction, timings, compiles, {"rolled_back": scale is not None})
         loss = losses[0] if len(losses) == 1 else jnp.mean(jnp.stack(losses))
-        return loss, OffloadState(jnp.asarray(stream.step, jnp.int32), new_shared)
+        return loss, OffloadState(jnp.asarray(stream.step + (self._pending is not None), jnp.int32), new_shared)
 
-    def _read_ahead(self, units: Sequence[Unit], step: int, depth: int) -> Iterator[concurrent.futures.Future]:
-        """Each unit's params future in order, read ``depth`` units ahead of the one computing."""
-        futures = [self._unit_params(unit, step) for unit in units[:depth]]
+    def _new_update(self, uniform: Uniform, *, fresh: bool = False) -> LayerUpdate:
+        return LayerUpdate(self._stream, self._plan.plan, uniform, self._devices, self.config.io_timeout, fresh=fresh)
+
+    def _end(self, update: LayerUpdate, scale: jax.Array | None) -> None:
+        """Waits for ``update`` and commits its step."""
+        _, timings, compiles = update.finish()
+        self._stream.end(update.transaction, timings, compiles, {"rolled_back": scale is not None})
+
+    def _scale(self, sums: dict[int, jax.Array]) -> jax.Array | None:
+        """The global norm the grads are scaled by (as ``clip_by_global_norm`` scales them), or None: no clipping."""
+        if self.max_grad_norm is None:
+            return None
+        norm = jnp.sqrt(sum(sums[i] for i in range(len(self._plan.plan.leaves))))
+        return None if bool(norm < self.max_grad_norm) else norm
+
+    def _read_ahead(
+        self, units: Sequence[Unit], read: Callable[[Unit], concurrent.futures.Future], depth: int | None = None
+    ) -> Iterator[Any]:
+        """What ``read`` gives each unit, in order, read ``depth`` units ahead of the one computing (by default
+        half the reader threads)."""
+        depth = max(1, self.config.prefetch_depth // 2) if depth is None else depth
+        futures = [read(unit) for unit in units[:depth]]
         for index in range(len(units)):
             if index + depth < len(units):
-                futures.append(self._unit_params(units[index + depth], step))
-            yield futures[index]
+                futures.append(read(units[index + depth]))
+            yield futures[index].result()
             futures[index] = None
+
+    def _applied(self, update: LayerUpdate, scale: jax.Array | None, units: Sequence[Unit]) -> Iterator[list]:
+        """Each unit's params after the deferred ``update``, in order: the next unit's params and grads are handed
+        over before a unit's new params are given, so its update runs while the forward computes."""
+        reads = self._read_ahead(units, functools.partial(self._params_and_grads, step=self._stream.step))
+
+        def hand_over(unit: Unit) -> None:
+            params, grads = next(reads)
+            self._hand_over(update, unit, params, grads, scale)
+
+        hand_over(units[0])
+        for index, unit in enumerate(units):
+            fresh = update.take_fresh(self._keys(unit))
+            if index + 1 < len(units):
+                hand_over(units[index + 1])
+            yield self._plan.sharding.assemble(self._plan.plan, fresh, unit.leaves)
 
     def _backward(
         self,
-        update: LayerUpdate,
+        take: Callable[[Unit, list[jax.Array], list[jax.Array]], None],
         micro: Sequence[Any],
         kept: list[Sequence[Any] | None],
         head_grads: Sequence[Any],
         gys: Sequence[Any],
-        step: int,
-        norm: jax.Array | None,
         turnaround: list[jax.Array] | None,
     ) -> dict[int, jax.Array]:
-        """The backward in reverse, each unit's grads (clipped by ``norm``, if given) handed to ``update``.
+        """The backward in reverse, each unit's params and grads (the micro-batches' mean) given to ``take``.
 
         ``turnaround``, the last layer's params as the forward left them on the device, saves reading them
         again (the update takes them: a redo reads them). The params are read one unit ahead, as the update's
@@ -401,18 +488,26 @@ class LayerStream(ClosesOnExit):
         read further ahead.
 
         Returns:
-          Each leaf's sum of squares of its unclipped grads (for the global norm), by leaf index.
+          Each leaf's sum of squares of its grads (for the global norm), by leaf index.
         """
         plan = self._plan
         sums: dict[int, jax.Array] = {}
         layer_units = plan.units[:-1]
         order = [*layer_units[::-1], plan.outer]
-        ahead = self._read_ahead(order if turnaround is None else order[1:], step, 1)  # the state beside
+        read = functools.partial(self._unit_params, step=self._stream.step)
+        ahead = self._read_ahead(order if turnaround is None else order[1:], read, 1)  # the state beside
         gys = list(gys)
         inputs = _on_device(kept[-1])
+
+        def give(unit: Unit, params: list[jax.Array], grads: Sequence[Any]) -> None:
+            mean = jax.tree_util.tree_leaves(grads[0] if len(grads) == 1 else micro_mean(grads))
+            for leaf, value in zip(unit.leaves, squares(mean), strict=True):
+                sums[leaf] = value
+            take(unit, params, mean)
+
         for index in reversed(range(len(layer_units))):
             unit = layer_units[index]
-            params_leaves, turnaround = (next(ahead).result(), None) if turnaround is None else (turnaround, None)
+            params_leaves, turnaround = (next(ahead), None) if turnaround is None else (turnaround, None)
             params = self._tree(unit, params_leaves)
             xs, inputs = inputs, _on_device(kept[index - 1]) if index else None  # the next inputs come meanwhile
             grads, before = [], list(gys)
@@ -420,37 +515,54 @@ class LayerStream(ClosesOnExit):
                 gys[m], gp = self._jitted.layer_backward(params, x, gys[m])
                 grads.append(gp)
             jax.block_until_ready(before)  # the layer after this one is done: two layers' backward at most in flight
-            if self.max_grad_norm is None:  # no redo can need the layer's input again
+            if self.max_grad_norm is None or self._defers:  # no redo can need the layer's input again
                 kept[index] = None
-            self._hand_over(update, unit, params_leaves, grads, sums, norm)
-        outer_leaves = next(ahead).result()  # read again: the update donates what it is handed
+            give(unit, params_leaves, grads)
+        outer_leaves = next(ahead)  # read again: the update donates what it is handed
         outer = self._tree(plan.outer, outer_leaves)
         embed_grads = [self._jitted.embed_backward(outer, b, gy) for b, gy in zip(micro, gys, strict=True)]
-        outer_grads = [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)]
-        self._hand_over(update, plan.outer, outer_leaves, outer_grads, sums, norm)
+        give(
+            plan.outer,
+            outer_leaves,
+            [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)],
+        )
         return sums
 
+    def _giver(self, update: LayerUpdate, scale: jax.Array | None) -> Callable:
+        """Gives each unit's params and grads to ``update``, the grads scaled by ``scale`` (if not None)."""
+        return lambda unit, params, grads: self._hand_over(update, unit, params, grads, scale)
+
     def _hand_over(
-        self,
-        update: LayerUpdate,
-        unit: Unit,
-        params: Sequence[jax.Array],
-        grads: Sequence[Any],
-        sums: dict[int, jax.Array],
-        norm: jax.Array | None,
+        self, update: LayerUpdate, unit: Unit, params: Sequence[jax.Array], grads: list[jax.Array], scale: Any
     ) -> None:
-        """A unit's grads (the micro-batches' mean) to the update; each leaf's sum of squares into ``sums``."""
-        mean = grads[0] if len(grads) == 1 else micro_mean(grads)
-        leaves = jax.tree_util.tree_leaves(mean)
-        for leaf, value in zip(unit.leaves, squares(leaves), strict=True):
-            sums[leaf] = value
-        if norm is not None:
-            leaves = clipped(leaves, norm, self.max_grad_norm)
-        keys = list(
-            dict.fromkeys((p.leaf, p.device) for k in unit.subgroups for p in self._plan.plan.subgroups[k].pieces)
-        )
-        grads, params = self._plan.sharding.block_map(leaves, unit.leaves), self._blocks(unit, params)
+        """A unit's params and grads to the update, by block, once it has taken the previous unit's."""
+        if scale is not None:
+            grads = clipped(grads, scale, self.max_grad_norm)
+        keys = self._keys(unit)
+        grads, params = self._plan.sharding.block_map(grads, unit.leaves), self._blocks(unit, params)
         update.hand_over(keys, [grads[key] for key in keys], [params[key] for key in keys])
+
+    def _storer(self) -> Callable:
+        """Stores each unit's grads in its subgroups' grads records, for the update deferred to the next forward;
+        the writes run on the writer threads, at most two units' grads waiting on the device."""
+        plan, stream, step = self._plan, self._stream, self._stream.step + 1
+        writing: list[concurrent.futures.Future] = []
+
+        def write(unit: Unit, blocks: dict) -> None:
+            for k in unit.subgroups:
+                pieces = plan.plan.subgroups[k].pieces
+                values = _pieces_of(pieces, [blocks[p.leaf, p.device] for p in pieces])
+                stream.store_grads(k, [np.asarray(v) for v in values], step)
+
+        def store(unit: Unit, _: Any, grads: list[jax.Array]) -> None:
+            while len(writing) > 1:
+                writing.pop(0).result()
+            writing.append(self._writers.submit(write, unit, plan.sharding.block_map(grads, unit.leaves)))
+            if unit is plan.outer:  # the last: every write done before the step returns
+                for future in writing:
+                    future.result()
+
+        return store
 
     # ----------------------------------------------------------------------------- reading the params back
 
@@ -460,18 +572,36 @@ class LayerStream(ClosesOnExit):
         For evaluation or a checkpoint of a model that fits in memory; a larger one is read unit by unit
         with :meth:`unit_params`.
         """
-        plan = self._initialised()
+        plan = self._settled()
         outer = self.unit_params(plan.num_layers)
         layers = [self.unit_params(index) for index in range(plan.num_layers)]
         return outer, jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
     def unit_params(self, index: int) -> Any:
         """The params of layer ``index`` (``num_layers``: the outer params) at the tiers' step."""
-        plan = self._initialised()
+        plan = self._settled()
         unit = plan.units[index]
         return self._tree(unit, self._unit_params(unit, self._stream.step).result())
 
     # ----------------------------------------------------------------------------- lifecycle
+
+    def _settled(self) -> LayerPlan:
+        """The plan, once the deferred update (if any) has run over every unit and been committed."""
+        plan = self._initialised()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            units = [plan.outer, *plan.units[:-1]]
+            update = self._new_update(pending.uniform)
+            try:
+                read = functools.partial(self._params_and_grads, step=self._stream.step)
+                for unit, (params, grads) in zip(units, self._read_ahead(units, read), strict=True):
+                    self._hand_over(update, unit, params, grads, pending.scale)
+                self._end(update, None)
+            except BaseException:
+                self._pending = pending
+                update.abort("applying the deferred update failed")
+                raise
+        return plan
 
     def _initialised(self) -> LayerPlan:
         if self._plan is None or self._stream is None:
@@ -485,7 +615,7 @@ class LayerStream(ClosesOnExit):
 
     def pin(self) -> Pin:
         """Flushes, then pins the tiers' step, so a reader beside training (a checkpoint save) finds its records."""
-        self._initialised()
+        self._settled()
         return self._stream.pin()
 
     def read_pinned(self, pin: Pin, record: int) -> Any:
@@ -494,9 +624,11 @@ class LayerStream(ClosesOnExit):
         return self._stream.tiers.read_pinned(pin, record)
 
     def flush(self) -> None:
-        """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
+        """Runs a deferred update (``clipping="defer"``) and writes every dirty cached record to storage, so the
+        tiers alone hold the newest step."""
         self._check_open()
         if self._stream is not None:
+            self._settled()
             self._stream.flush()
 
     def close(self, *, delete: bool = False) -> None:
@@ -509,8 +641,20 @@ class LayerStream(ClosesOnExit):
         finally:
             self._closed = True
             self._readers.shutdown(wait=True)
+            self._writers.shutdown(wait=True)
             if self._stream is not None:
                 self._stream.close(delete=delete)
+
+
+CLIPPINGS = ("speculate", "defer")
+"""When the update of a step whose grads are clipped by their global norm runs: see :class:`LayerStream`."""
+
+
+class _Pending(NamedTuple):
+    """A deferred update: the global norm its stored grads are scaled by (None: not clipped), and its shared state."""
+
+    scale: jax.Array | None
+    uniform: Uniform
 
 
 class _Stacked(NamedTuple):

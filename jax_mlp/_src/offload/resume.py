@@ -267,8 +267,9 @@ def last_complete_step(
     return step, {index: steps[step] for index, steps in found.items()}
 
 
-def resume_at(stream: StateStream, *, peer_key: str) -> None:
-    """Takes the tiers up at the last step complete on every path (and, with several processes, in every one)."""
+def resume_at(stream: StateStream, *, peer_key: str, records: int | None = None) -> None:
+    """Takes the tiers up at the last step complete on every path (and, with several processes, in every one),
+    over the first ``records`` records (by default all: those a step commits)."""
     config = stream.config
     step, locations = last_complete_step(
         stream.engine,
@@ -276,6 +277,6 @@ def resume_at(stream: StateStream, *, peer_key: str) -> None:
         stream.plan,
         peer_key=peer_key,
         peer_timeout=config.peer_timeout,
-        num_records=len(stream.record_bytes),
+        num_records=len(stream.record_bytes) if records is None else records,
     )
     stream.resume_at(step, locations)

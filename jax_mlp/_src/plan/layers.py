@@ -213,9 +213,11 @@ def make_layer_plan(
     return LayerPlan(plan, tuple(units), layer_treedef, outer_treedef, layouts, sharding)
 
 
-def backward_order(plan: LayerPlan) -> list[int]:
-    """The order the update takes the subgroups in: the layers last to first, then the outer unit."""
-    return [k for unit in (*plan.units[:-1][::-1], plan.outer) for k in unit.subgroups]
+def update_order(plan: LayerPlan, *, deferred: bool = False) -> list[int]:
+    """The order the update takes the subgroups in: the backward's (the layers last to first, then the outer
+    unit), or, for an update deferred to the next forward, the forward's (the outer unit, then the layers)."""
+    units = (plan.outer, *plan.units[:-1]) if deferred else (*plan.units[:-1][::-1], plan.outer)
+    return [k for unit in units for k in unit.subgroups]
 
 
 def stream_config(plan: LayerPlan, config: OffloadConfig) -> OffloadConfig:

@@ -28,13 +28,15 @@ class Inbox(Mapping):
 
     Args:
       timeout: seconds a program waits for a block before the step fails (``io_timeout``).
+      late: who failed to file a block in time, for the error.
     """
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, late: str = "the backward did not hand over"):
         self._blocks: dict[Any, jax.Array] = {}
         self._condition = threading.Condition()
         self._cancelled: str | None = None
         self._timeout = timeout
+        self._late = late
 
     def file(self, blocks: Mapping[Any, jax.Array]) -> None:
         with self._condition:
@@ -69,7 +71,7 @@ class Inbox(Mapping):
             if self._cancelled:
                 raise OffloadError(f"the layer-streamed update was called off: {self._cancelled}")
             if not ready:
-                raise OffloadError(f"the backward did not hand over param {key} within io_timeout={self._timeout:g}s")
+                raise OffloadError(f"{self._late} param {key} within io_timeout={self._timeout:g}s")
             return self._blocks[key]
 
     def __iter__(self) -> Iterator[Any]:
@@ -88,8 +90,8 @@ class LayerResults:
     so each block is updated in place as in ``apply``.
     """
 
-    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[Any, int]):
-        self._plan, self._inbox = plan, inbox
+    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[Any, int], fresh: Inbox | None = None):
+        self._plan, self._inbox, self._fresh = plan, inbox, fresh
         self._uses = dict(uses)
         self._blocks: dict[Any, jax.Array] = {}
 
@@ -107,6 +109,8 @@ class LayerResults:
                 grads = self._inbox.pop(("grads", key))
                 if grads is not None:
                     grads.delete()
+                if self._fresh is not None:  # the block's new params, for the forward that waits on them
+                    self._fresh.file({key: block})
         blocks.staging.done(subgroup)
         return out._replace(param_pieces=pieces)
 
@@ -139,10 +143,24 @@ class _GradsView(Mapping):
 
 
 class LayerUpdate:
-    """One step's update: a transaction of the state stream, streaming on its own thread as grads come in."""
+    """One step's update: a transaction of the state stream, streaming on its own thread as grads come in.
 
-    def __init__(self, stream: StateStream, plan: Any, uniform: Uniform, devices: Sequence[jax.Device], timeout: float):
+    With ``fresh``, each block's new params are also kept for :meth:`take_fresh` (a deferred update, whose
+    new params the next forward computes with), until taken.
+    """
+
+    def __init__(
+        self,
+        stream: StateStream,
+        plan: Any,
+        uniform: Uniform,
+        devices: Sequence[jax.Device],
+        timeout: float,
+        *,
+        fresh: bool = False,
+    ):
         self.inbox = Inbox(timeout)
+        self.fresh = Inbox(timeout, "the update did not make the new") if fresh else None
         uses = collections.Counter((p.leaf, p.device) for sg in plan.subgroups for p in sg.pieces)
         blocks = Blocks(
             _GradsView(self.inbox), None, list(devices), uniform, Staging(plan, ["device"] * len(plan.leaves))
@@ -151,7 +169,7 @@ class LayerUpdate:
         self.transaction: Transaction = stream.begin(cache_state=False)
         self.outcome: Any = None
         self._done = threading.Event()
-        results = LayerResults(plan, self.inbox, uses)
+        results = LayerResults(plan, self.inbox, uses, self.fresh)
 
         def run() -> None:
             try:
@@ -171,6 +189,13 @@ class LayerUpdate:
         blocks.update({("params", key): p for key, p in zip(keys, params, strict=True)})
         self.inbox.file(blocks)
 
+    def take_fresh(self, keys: Sequence[Any]) -> dict[Any, jax.Array]:
+        """The new params blocks of ``keys``, as the update makes them (waiting for each), no longer kept here."""
+        taken = {key: self.fresh[key] for key in keys}
+        for key in keys:
+            self.fresh.pop(key)
+        return taken
+
     def finish(self) -> tuple[Any, Any, int]:
         """Waits for the stream; raises what it raised (the transaction is then still to be aborted)."""
         self._done.wait()
@@ -181,5 +206,7 @@ class LayerUpdate:
     def abort(self, reason: str) -> None:
         """Calls the update off and undoes its transaction: the tiers keep the step they held."""
         self.inbox.cancel(reason)
+        if self.fresh is not None:
+            self.fresh.cancel(reason)
         self._done.wait()
         self._stream.abort(self.transaction)

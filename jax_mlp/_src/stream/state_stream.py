@@ -123,7 +123,8 @@ class StateStream:
       on_stats: called with each update's stats; its errors are logged, never raised.
       init_notes: fields added to the stats of the init or restore (the optimizer check's).
       param_layouts: the params records of a layer-streamed plan, one per subgroup (record ``S + k`` holds
-        subgroup ``k``'s params); none for a plan whose params the user holds.
+        subgroup ``k``'s params), then, where its updates are deferred, its grads records (``2S + k``); none
+        for a plan whose params the user holds.
     """
 
     def __init__(
@@ -151,7 +152,9 @@ class StateStream:
         self.shared: list[np.ndarray] = []  # the shared state leaves at ``step``, once the tiers hold it
         self.last_stats: UpdateStats | None = None
         layouts = [sg.layout for sg in plan.subgroups] + list(param_layouts)
-        self.record_bytes = [HEADER_SIZE + layout.nbytes for layout in layouts]  # state records, then params records
+        self.record_bytes = [
+            HEADER_SIZE + layout.nbytes for layout in layouts
+        ]  # state, then params (and grads) records
         self._peer_key = peer_key
         self._on_stats = on_stats
         self._init_notes = init_notes
@@ -342,6 +345,17 @@ class StateStream:
         """Subgroup ``subgroup``'s params at ``step``, from its params record (a layer-streamed plan), kept in the
         cache: the params a forward reads last are those its backward reads first."""
         return self._fetch(len(self.plan.subgroups) + subgroup, step, keep=True)[0]
+
+    def fetch_grads(self, subgroup: int, step: int) -> list[Any]:
+        """Subgroup ``subgroup``'s grads stored by :meth:`store_grads` for the update to ``step``, from its grads record."""
+        return self._fetch(2 * len(self.plan.subgroups) + subgroup, step)[0]
+
+    def store_grads(self, subgroup: int, pieces: Sequence[np.ndarray], step: int) -> None:
+        """Writes subgroup ``subgroup``'s grads for the update to ``step`` (a deferred update, see
+        :mod:`jax_mlp._src.offload.layers`) to its grads record (``2S + subgroup``), on the path the placement
+        gives it. Never cached and never committed: a crash loses them, and the step that made them is run again."""
+        record = 2 * len(self.plan.subgroups) + subgroup
+        self.counters.count(self.tiers.write(record, (list(pieces), []), step, self.scheduler.placement[record]))
 
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
