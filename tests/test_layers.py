@@ -497,10 +497,10 @@ def test_the_device_holds_a_few_layers_not_the_model(tmp_path, monkeypatch):
     assert added <= bound < layers * layer_bytes
 
 
-def test_layer_inputs_kept_in_host_memory_leave_the_device_and_change_no_bit(tmp_path, monkeypatch):
+def test_layer_inputs_kept_in_host_memory_or_files_leave_the_device_and_change_no_bit(tmp_path, monkeypatch):
     """With ``activations="pinned_host"`` each layer's input waits in host memory between the forward and the
-    backward: the device holds a few layers' inputs (the one computing, the one coming, the one just done), not
-    every layer's, and the params end bit for bit the same."""
+    backward, with a directory in its files: the device holds a few layers' inputs (the one computing, the one
+    coming, the one just done), not every layer's, and the params end bit for bit the same."""
     from jax_mlp._src.plan import programs
 
     layers, batch = 16, 512
@@ -515,9 +515,10 @@ def test_layer_inputs_kept_in_host_memory_leave_the_device_and_change_no_bit(tmp
         return run(*args)
 
     monkeypatch.setattr(programs.Executables, "__call__", sample)
-    results, peaks = {}, {}
-    for kind in ("device", "pinned_host"):
-        with jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / kind], activations=kind) as stream:
+    results, peaks, files = {}, {}, tmp_path / "inputs"
+    for kind in ("device", "pinned_host", "files"):
+        where = files if kind == "files" else kind
+        with jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / kind], activations=where) as stream:
             state = stream.init(outer, stacked)
             before = {k: _live_device_bytes(k) for k in sampled}
             for values in sampled.values():
@@ -526,17 +527,47 @@ def test_layer_inputs_kept_in_host_memory_leave_the_device_and_change_no_bit(tmp
                 _, state = stream.step(state, batch_at(step, batch))
             peaks[kind] = {k: max(values) - before[k] for k, values in sampled.items()}
             results[kind] = stream.params()
+            if kind == "files":  # one file per layer's input (a single micro-batch on one device)
+                assert len(list((files / "inputs.proc0000").iterdir())) == layers
     assert_same_bits(results["pinned_host"], results["device"], "activations in pinned_host")
+    assert_same_bits(results["files"], results["device"], "activations in files")
+    assert not any(files.iterdir())  # close removes the inputs' files
     print(f"added bytes during a step, by where the inputs wait: {peaks}; one layer's input {input_bytes}")
     assert peaks["device"]["device"] >= layers * input_bytes
-    assert peaks["pinned_host"]["device"] <= peaks["device"]["device"] - layers // 2 * input_bytes
+    for kind in ("pinned_host", "files"):
+        assert peaks[kind]["device"] <= peaks["device"]["device"] - layers // 2 * input_bytes, kind
     assert peaks["pinned_host"]["pinned_host"] >= (layers - 2) * input_bytes
+    assert peaks["files"]["pinned_host"] == 0
+
+
+def test_a_full_activations_directory_names_the_file_and_commits_nothing(tmp_path):
+    """The layers' inputs fill a real tmpfs in the forward: an ``OffloadError`` names the file and says what to do,
+    and the tiers keep the step they held, params and state."""
+    from helpers import tmpfs
+
+    outer, stacked = model()
+    with tmpfs(tmp_path / "small", "512k") as small:
+        stream = jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / "tiers"], activations=small)
+        with stream:
+            state = stream.init(outer, stacked)
+            with pytest.raises(
+                jax_mlp.OffloadError, match=rf"to {small}/inputs.proc0000/\d\.0\.0 failed .*No space left.*free space"
+            ):
+                stream.step(state, batch_at(0, 4096))  # 256 KiB a layer's input
+            assert stream.step_count == 0
+            assert_same_bits(stream.params(), (outer, stacked), "the tiers after the failed step")
 
 
 def test_activations_elsewhere_are_refused_before_anything_is_written(tmp_path):
-    with pytest.raises(jax_mlp.OffloadError, match="activations must be one of 'device', 'pinned_host'"):
+    with pytest.raises(jax_mlp.OffloadError, match="activations must be one of 'device', 'pinned_host' or a direc"):
         jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path], activations="disk")
     assert not any(tmp_path.iterdir())
+    (tmp_path / "a file").write_text("not a directory")
+    outer, stacked = model()
+    stream = jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=[tmp_path / "tiers"], activations=tmp_path / "a file")
+    with stream, pytest.raises(jax_mlp.OffloadError, match=r"activations directory .*a file.* cannot be written"):
+        stream.init(outer, stacked)
+    assert not (tmp_path / "tiers").exists()
 
 
 def test_a_linen_scan_model_streams_through_the_recipe(tmp_path):

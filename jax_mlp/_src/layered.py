@@ -30,7 +30,7 @@ def stream_layers(
     max_grad_norm: float | None = None,
     clipping: Literal["speculate", "defer"] = "speculate",
     microbatches: int = 1,
-    activations: Literal["device", "pinned_host"] = "device",
+    activations: Literal["device", "pinned_host"] | os.PathLike = "device",
     resume: bool = False,
     on_stats: Callable[[UpdateStats], None] | None = None,
     log_to: str | os.PathLike | None = None,
@@ -61,7 +61,9 @@ def stream_layers(
         all before the next (layer-major), and their grads are averaged in order.
       activations: where each layer's input waits between the forward and the backward: ``"device"``
         (the default), or ``"pinned_host"`` for long sequences, whose inputs would crowd the device:
-        each is copied out as the forward makes it and back one layer ahead of its backward.
+        each is copied out as the forward makes it and back one layer ahead of its backward; or a
+        directory (a ``pathlib.Path``), whose files hold them (written as the forward makes them, read one
+        layer ahead of the backward), for inputs that would crowd host RAM too.
       resume: reopen the tiers at their last complete step.
       on_stats: called with each step's :class:`~jax_mlp.UpdateStats`.
       log_to: a file for one JSON line per ``init`` and step, as for ``mlp_offload``.

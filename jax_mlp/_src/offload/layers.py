@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -65,6 +66,7 @@ from jax_mlp._src.storage.paths import open_configured, release_paths
 from jax_mlp._src.storage.tier_stack import Pin
 from jax_mlp._src.stream.build import build_stream
 from jax_mlp._src.stream.layer_update import LayerUpdate
+from jax_mlp._src.stream.spill import InputFiles, Spilled
 from jax_mlp._src.stream.state_stream import StateStream
 
 
@@ -88,7 +90,7 @@ class LayerStream(ClosesOnExit):
         max_grad_norm: float | None,
         clipping: Literal["speculate", "defer"],
         microbatches: int,
-        activations: Literal["device", "pinned_host"],
+        activations: Literal["device", "pinned_host"] | os.PathLike,
         resume: bool,
         on_stats: Callable[[UpdateStats], None] | None,
     ):
@@ -104,10 +106,10 @@ class LayerStream(ClosesOnExit):
             )
         if microbatches < 1:
             raise OffloadError(f"microbatches must be at least 1, got {microbatches}")
-        if activations not in MEMORY_KINDS:
+        if not isinstance(activations, os.PathLike) and activations not in MEMORY_KINDS:
             raise OffloadError(
-                f"activations must be one of {', '.join(map(repr, MEMORY_KINDS))} (where each layer's input is kept "
-                f"between the forward and the backward), got {activations!r}"
+                f"activations must be one of {', '.join(map(repr, MEMORY_KINDS))} or a directory as a pathlib.Path "
+                f"(where each layer's input is kept between the forward and the backward), got {activations!r}"
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OffloadError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -133,6 +135,7 @@ class LayerStream(ClosesOnExit):
         )
         self._writers = concurrent.futures.ThreadPoolExecutor(config.write_depth, thread_name_prefix="jax_mlp-grads")
         self._pending: _Pending | None = None  # the deferred update the next forward runs
+        self._files: InputFiles | None = None  # the layers' inputs, with activations in a directory
         self._device = jax.local_devices()[0]
         self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
@@ -228,7 +231,13 @@ class LayerStream(ClosesOnExit):
     def _initialise(self, plan: LayerPlan, populate: Callable[[], None], intent: resume.Intent) -> OffloadState:
         """Opens the tiers, checks what they hold against ``intent``, fills them with ``populate``, marks the
         paths; then every process has done so."""
-        self._open(plan, intent)
+        if isinstance(self.activations, os.PathLike):  # a directory that cannot be written: before the tiers open
+            self._files = InputFiles(self.activations, self.config.write_depth)
+        try:
+            self._open(plan, intent)
+        except BaseException:
+            self._close_files()
+            raise
         stream = self._stream
         try:
             populate()
@@ -238,6 +247,7 @@ class LayerStream(ClosesOnExit):
         except BaseException:
             stream.close(delete=False)
             self._stream = None
+            self._close_files()
             raise
         shared = [jnp.asarray(x) for x in stream.shared]
         treedef = jax.tree_util.tree_structure(stream.programs.shared_shapes)
@@ -396,9 +406,9 @@ class LayerStream(ClosesOnExit):
                 last = next(ahead)  # the last layer's stay on the device for the backward's first
                 if index == len(units) - 2 and pending is None and not self._defers:  # the update's reads begin
                     update = self._new_update(uniform)
-                kept.append([in_memory(x, self.activations) for x in xs])
+                kept.append(self._keep(index, xs))
                 xs = [self._jitted.layer(self._tree(unit, last), x) for x in xs]
-                jax.block_until_ready(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
+                _wait(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
             if pending is not None:  # the deferred update is whole: commit it
                 self._end(update, None)
                 self._pending, update = None, None
@@ -497,7 +507,7 @@ class LayerStream(ClosesOnExit):
         read = functools.partial(self._unit_params, step=self._stream.step)
         ahead = self._read_ahead(order if turnaround is None else order[1:], read, 1)  # the state beside
         gys = list(gys)
-        inputs = _on_device(kept[-1])
+        inputs = self._bring(kept[-1])
 
         def give(unit: Unit, params: list[jax.Array], grads: Sequence[Any]) -> None:
             mean = jax.tree_util.tree_leaves(grads[0] if len(grads) == 1 else micro_mean(grads))
@@ -509,7 +519,7 @@ class LayerStream(ClosesOnExit):
             unit = layer_units[index]
             params_leaves, turnaround = (next(ahead), None) if turnaround is None else (turnaround, None)
             params = self._tree(unit, params_leaves)
-            xs, inputs = inputs, _on_device(kept[index - 1]) if index else None  # the next inputs come meanwhile
+            xs, inputs = _ready(inputs), self._bring(kept[index - 1]) if index else None  # the next come meanwhile
             grads, before = [], list(gys)
             for m, x in enumerate(xs):
                 gys[m], gp = self._jitted.layer_backward(params, x, gys[m])
@@ -527,6 +537,23 @@ class LayerStream(ClosesOnExit):
             [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)],
         )
         return sums
+
+    def _close_files(self) -> None:
+        files, self._files = self._files, None
+        if files is not None:
+            files.close()
+
+    def _keep(self, index: int, xs: Sequence[jax.Array]) -> list[Any]:
+        """Layer ``index``'s inputs kept for the backward: in their memory kind, or written to the input files."""
+        if self._files is None:
+            return [in_memory(x, self.activations) for x in xs]
+        return [self._files.put(f"{index}.{m}", x) for m, x in enumerate(xs)]
+
+    def _bring(self, kept: Sequence[Any]) -> list[Any]:
+        """Kept inputs coming back to the device: copies dispatched, or reads started (futures)."""
+        if self._files is None:
+            return [in_memory(x, DEVICE_MEMORY) for x in kept]
+        return [self._files.get(spilled) for spilled in kept]
 
     def _giver(self, update: LayerUpdate, scale: jax.Array | None) -> Callable:
         """Gives each unit's params and grads to ``update``, the grads scaled by ``scale`` (if not None)."""
@@ -642,6 +669,7 @@ class LayerStream(ClosesOnExit):
             self._closed = True
             self._readers.shutdown(wait=True)
             self._writers.shutdown(wait=True)
+            self._close_files()
             if self._stream is not None:
                 self._stream.close(delete=delete)
 
@@ -690,9 +718,18 @@ def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if spans else None)
 
 
-def _on_device(xs: Sequence[jax.Array]) -> list[jax.Array]:
-    """A layer's kept inputs in device memory (copies dispatched, where they were kept in host memory)."""
-    return [in_memory(x, DEVICE_MEMORY) for x in xs]
+def _wait(kept: Sequence[Any]) -> None:
+    """Waits until a layer's inputs are kept: their copies made, or their files written."""
+    for x in kept:
+        if isinstance(x, Spilled):
+            x.written.result()
+        else:
+            x.block_until_ready()
+
+
+def _ready(xs: Sequence[Any]) -> list[jax.Array]:
+    """Inputs coming back, as arrays: a read's result, or the array."""
+    return [x.result() if isinstance(x, concurrent.futures.Future) else x for x in xs]
 
 
 def _pieces_of(pieces: Sequence[Piece], blocks: Sequence[jax.Array]) -> list[jax.Array]:
