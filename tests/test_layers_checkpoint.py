@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -98,3 +99,25 @@ def test_a_checkpoint_without_params_is_refused_before_anything_is_written(tmp_p
     with stream, pytest.raises(jax_mlp.OffloadError, match="holds no params"):
         ocp.Checkpointer(jax_mlp.OffloadCheckpointHandler()).restore(tmp_path / "optax", args=restore)
     assert not (tmp_path / "tiers").exists() or not list((tmp_path / "tiers").iterdir())
+
+
+def test_a_checkpoint_without_masters_restores_into_a_run_with_masters_started_from_its_params(tmp_path):
+    """bf16 params saved without a master copy, restored into a run that keeps fp32 remainder masters: the masters
+    start from the checkpoint's params, which come back bit for bit, and training goes on from them."""
+    outer, stacked = model(jnp.bfloat16)
+    inner = optax.adam(1e-2)
+    saved, _ = train_and_save(tmp_path, inner, outer, stacked, **OPTIONS)
+    masters = dict(OPTIONS, master_dtype=jnp.float32, master_storage="remainder")
+    like = (shapes(outer), shapes(stacked))
+    with (
+        jax_mlp.stream_layers(STACK, inner, paths=[tmp_path / "with masters"], **masters) as stream,
+        ocp.CheckpointManager(tmp_path / "checkpoints") as manager,
+    ):
+        state = manager.restore(SAVED_AT, args=ocp.args.Composite(model=jax_mlp.OffloadRestore(stream, like)))["model"]
+        assert_same_bits(stream.params(), saved, "the params restored")
+        _, state = stream.step(state, batch_at(SAVED_AT))
+        assert int(state.step) == SAVED_AT + 1
+        stepped = stream.params()
+    for before, after in zip(jax.tree.leaves(saved), jax.tree.leaves(stepped), strict=True):
+        moved = np.abs(np.asarray(after, np.float32) - np.asarray(before, np.float32))
+        assert 0 < moved.max() <= 2e-2, moved.max()  # one adam step of 1e-2 from the masters the params gave
