@@ -46,7 +46,6 @@ from jax_mlp._src.errors import OffloadError
 from jax_mlp._src.offload import inputs, planning, resume, window
 from jax_mlp._src.offload.offloader import ClosesOnExit
 from jax_mlp._src.plan import layers as layer_plans
-from jax_mlp._src.plan import partition
 from jax_mlp._src.plan.layer_programs import (
     LayerPrograms,
     LayerStack,
@@ -59,15 +58,16 @@ from jax_mlp._src.plan.layer_programs import (
 from jax_mlp._src.plan.layers import LayerPlan, Unit, check_host_memory, stream_config, update_order
 from jax_mlp._src.plan.partition import Piece
 from jax_mlp._src.plan.programs import Uniform
-from jax_mlp._src.plan.sharding import DEVICE_MEMORY, MEMORY_KINDS, in_memory
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.stats import UpdateStats
 from jax_mlp._src.storage.paths import open_configured, release_paths
 from jax_mlp._src.storage.tier_stack import Pin
+from jax_mlp._src.stream import kept_inputs
 from jax_mlp._src.stream.build import build_stream
+from jax_mlp._src.stream.kept_inputs import KeptInputs
 from jax_mlp._src.stream.layer_update import LayerUpdate
-from jax_mlp._src.stream.spill import InputFiles, Spilled
 from jax_mlp._src.stream.state_stream import StateStream
+from jax_mlp._src.stream.unit_reads import UnitReads
 
 
 class LayerStream(ClosesOnExit):
@@ -106,11 +106,7 @@ class LayerStream(ClosesOnExit):
             )
         if microbatches < 1:
             raise OffloadError(f"microbatches must be at least 1, got {microbatches}")
-        if not isinstance(activations, os.PathLike) and activations not in MEMORY_KINDS:
-            raise OffloadError(
-                f"activations must be one of {', '.join(map(repr, MEMORY_KINDS))} or a directory as a pathlib.Path "
-                f"(where each layer's input is kept between the forward and the backward), got {activations!r}"
-            )
+        kept_inputs.check_where(activations)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OffloadError(f"max_grad_norm must be positive, got {max_grad_norm}")
         if config.accumulate_steps > 1:
@@ -130,12 +126,10 @@ class LayerStream(ClosesOnExit):
         host_memory.return_large_buffers_to_the_os()
         self._plan: LayerPlan | None = None
         self._stream: StateStream | None = None
-        self._readers = concurrent.futures.ThreadPoolExecutor(
-            config.prefetch_depth, thread_name_prefix="jax_mlp-params"
-        )
+        self._reads: UnitReads | None = None  # once the tiers are open
+        self._inputs: KeptInputs | None = None  # where the layers' inputs wait, once initialised
         self._writers = concurrent.futures.ThreadPoolExecutor(config.write_depth, thread_name_prefix="jax_mlp-grads")
         self._pending: _Pending | None = None  # the deferred update the next forward runs
-        self._files: InputFiles | None = None  # the layers' inputs, with activations in a directory
         self._device = jax.local_devices()[0]
         self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
@@ -231,24 +225,18 @@ class LayerStream(ClosesOnExit):
     def _initialise(self, plan: LayerPlan, populate: Callable[[], None], intent: resume.Intent) -> OffloadState:
         """Opens the tiers, checks what they hold against ``intent``, fills them with ``populate``, marks the
         paths; then every process has done so."""
-        if isinstance(self.activations, os.PathLike):  # a directory that cannot be written: before the tiers open
-            self._files = InputFiles(self.activations, self.config.write_depth)
+        self._inputs = KeptInputs(self.activations, self.config.write_depth)  # a bad directory: before the tiers
         try:
             self._open(plan, intent)
-        except BaseException:
-            self._close_files()
-            raise
-        stream = self._stream
-        try:
             populate()
-            for path in stream.tiers.paths:
+            for path in self._stream.tiers.paths:
                 path.write_run_file(resume.run_identity(plan.plan, self.config.subgroup_size))
             peers.barrier("jax_mlp/layers/init", self.config.peer_timeout, "the end of init")
         except BaseException:
-            stream.close(delete=False)
-            self._stream = None
-            self._close_files()
+            self._release(delete=False)
+            self._reads, self._stream, self._inputs = None, None, None  # init may be called again
             raise
+        stream = self._stream
         shared = [jnp.asarray(x) for x in stream.shared]
         treedef = jax.tree_util.tree_structure(stream.programs.shared_shapes)
         return OffloadState(jnp.asarray(stream.step, jnp.int32), jax.tree_util.tree_unflatten(treedef, shared))
@@ -283,6 +271,7 @@ class LayerStream(ClosesOnExit):
             raise
         stream.scheduler.follow(update_order(plan, deferred=self._defers))
         self._plan, self._stream, self._devices = plan, stream, plan.devices(self._device)
+        self._reads = UnitReads(plan, stream, self._devices, config.prefetch_depth)
 
     def _write_initial_state(self, plan: LayerPlan, outer: Any, layer_of: Any) -> None:
         """Each subgroup's initial state and its params, computed from its unit's params (made once per unit)."""
@@ -317,40 +306,6 @@ class LayerStream(ClosesOnExit):
         return self._plan.sharding.block_map(placed, unit.leaves)
 
     # ----------------------------------------------------------------------------- the step
-
-    def _read_unit(self, unit: Unit, step: int, fetch: Callable[[int, int], list]) -> list[jax.Array]:
-        """``unit``'s leaves on the device from its subgroups' records, ``fetch(k, step)`` giving subgroup k's pieces
-        (its params, or its stored grads); a sharded leaf's blocks assembled with its sharding."""
-        plan = self._plan
-        specs = plan.plan.leaves
-        parts: dict[tuple, list[tuple[Piece, np.ndarray]]] = {}
-        device_of: dict[tuple, jax.Device] = {}
-        for k in unit.subgroups:
-            subgroup = plan.plan.subgroups[k]
-            for piece, value in zip(subgroup.pieces, fetch(k, step), strict=True):
-                parts.setdefault((piece.leaf, piece.device), []).append((piece, value))
-                device_of[piece.leaf, piece.device] = self._devices[k]
-        blocks = {}
-        for key, chunks in parts.items():
-            chunks.sort(key=lambda pv: 0 if pv[0].rows is None else pv[0].rows[0])
-            host = chunks[0][1] if len(chunks) == 1 else np.concatenate([v for _, v in chunks])
-            shape = partition.piece_shape(specs[key[0]], chunks[0][0]._replace(rows=None))
-            blocks[key] = jax.device_put(host.reshape(shape), device_of[key])
-        return plan.sharding.assemble(plan.plan, blocks, unit.leaves)
-
-    def _unit_params(self, unit: Unit, step: int) -> concurrent.futures.Future:
-        """Reads ``unit``'s params records at ``step`` on a reader thread; the future gives its leaves on the device."""
-        return self._readers.submit(self._read_unit, unit, step, self._stream.fetch_params)
-
-    def _params_and_grads(self, unit: Unit, step: int) -> concurrent.futures.Future:
-        """Reads ``unit``'s params at ``step`` and the grads stored for its update to ``step + 1``, on a reader thread."""
-        stream = self._stream
-        return self._readers.submit(
-            lambda: (
-                self._read_unit(unit, step, stream.fetch_params),
-                self._read_unit(unit, step + 1, stream.fetch_grads),
-            )
-        )
 
     def _tree(self, unit: Unit, leaves: Sequence[jax.Array]) -> Any:
         plan = self._plan
@@ -395,7 +350,7 @@ class LayerStream(ClosesOnExit):
         scale = None
         try:
             if pending is None:
-                ahead = self._read_ahead(units, functools.partial(self._unit_params, step=stream.step))
+                ahead = self._reads.ahead(units, functools.partial(self._reads.params, step=stream.step))
             else:  # the last step's deferred update, each unit's just before this forward computes with it
                 update = self._new_update(pending.uniform, fresh=True)
                 ahead = self._applied(update, pending.scale, units)
@@ -406,9 +361,9 @@ class LayerStream(ClosesOnExit):
                 last = next(ahead)  # the last layer's stay on the device for the backward's first
                 if index == len(units) - 2 and pending is None and not self._defers:  # the update's reads begin
                     update = self._new_update(uniform)
-                kept.append(self._keep(index, xs))
+                kept.append(self._inputs.keep(index, xs))
                 xs = [self._jitted.layer(self._tree(unit, last), x) for x in xs]
-                _wait(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
+                kept_inputs.wait(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
             if pending is not None:  # the deferred update is whole: commit it
                 self._end(update, None)
                 self._pending, update = None, None
@@ -452,23 +407,10 @@ class LayerStream(ClosesOnExit):
         norm = jnp.sqrt(sum(sums[i] for i in range(len(self._plan.plan.leaves))))
         return None if bool(norm < self.max_grad_norm) else norm
 
-    def _read_ahead(
-        self, units: Sequence[Unit], read: Callable[[Unit], concurrent.futures.Future], depth: int | None = None
-    ) -> Iterator[Any]:
-        """What ``read`` gives each unit, in order, read ``depth`` units ahead of the one computing (by default
-        half the reader threads)."""
-        depth = max(1, self.config.prefetch_depth // 2) if depth is None else depth
-        futures = [read(unit) for unit in units[:depth]]
-        for index in range(len(units)):
-            if index + depth < len(units):
-                futures.append(read(units[index + depth]))
-            yield futures[index].result()
-            futures[index] = None
-
     def _applied(self, update: LayerUpdate, scale: jax.Array | None, units: Sequence[Unit]) -> Iterator[list]:
         """Each unit's params after the deferred ``update``, in order: the next unit's params and grads are handed
         over before a unit's new params are given, so its update runs while the forward computes."""
-        reads = self._read_ahead(units, functools.partial(self._params_and_grads, step=self._stream.step))
+        reads = self._reads.ahead(units, functools.partial(self._reads.params_and_grads, step=self._stream.step))
 
         def hand_over(unit: Unit) -> None:
             params, grads = next(reads)
@@ -504,10 +446,10 @@ class LayerStream(ClosesOnExit):
         sums: dict[int, jax.Array] = {}
         layer_units = plan.units[:-1]
         order = [*layer_units[::-1], plan.outer]
-        read = functools.partial(self._unit_params, step=self._stream.step)
-        ahead = self._read_ahead(order if turnaround is None else order[1:], read, 1)  # the state beside
+        read = functools.partial(self._reads.params, step=self._stream.step)
+        ahead = self._reads.ahead(order if turnaround is None else order[1:], read, 1)  # the state beside
         gys = list(gys)
-        inputs = self._bring(kept[-1])
+        inputs = self._inputs.bring(kept[-1])
 
         def give(unit: Unit, params: list[jax.Array], grads: Sequence[Any]) -> None:
             mean = jax.tree_util.tree_leaves(grads[0] if len(grads) == 1 else micro_mean(grads))
@@ -519,7 +461,7 @@ class LayerStream(ClosesOnExit):
             unit = layer_units[index]
             params_leaves, turnaround = (next(ahead), None) if turnaround is None else (turnaround, None)
             params = self._tree(unit, params_leaves)
-            xs, inputs = _ready(inputs), self._bring(kept[index - 1]) if index else None  # the next come meanwhile
+            xs, inputs = kept_inputs.ready(inputs), self._inputs.bring(kept[index - 1]) if index else None
             grads, before = [], list(gys)
             for m, x in enumerate(xs):
                 gys[m], gp = self._jitted.layer_backward(params, x, gys[m])
@@ -537,23 +479,6 @@ class LayerStream(ClosesOnExit):
             [jax.tree.map(jnp.add, h, e) for h, e in zip(head_grads, embed_grads, strict=True)],
         )
         return sums
-
-    def _close_files(self) -> None:
-        files, self._files = self._files, None
-        if files is not None:
-            files.close()
-
-    def _keep(self, index: int, xs: Sequence[jax.Array]) -> list[Any]:
-        """Layer ``index``'s inputs kept for the backward: in their memory kind, or written to the input files."""
-        if self._files is None:
-            return [in_memory(x, self.activations) for x in xs]
-        return [self._files.put(f"{index}.{m}", x) for m, x in enumerate(xs)]
-
-    def _bring(self, kept: Sequence[Any]) -> list[Any]:
-        """Kept inputs coming back to the device: copies dispatched, or reads started (futures)."""
-        if self._files is None:
-            return [in_memory(x, DEVICE_MEMORY) for x in kept]
-        return [self._files.get(spilled) for spilled in kept]
 
     def _giver(self, update: LayerUpdate, scale: jax.Array | None) -> Callable:
         """Gives each unit's params and grads to ``update``, the grads scaled by ``scale`` (if not None)."""
@@ -608,7 +533,7 @@ class LayerStream(ClosesOnExit):
         """The params of layer ``index`` (``num_layers``: the outer params) at the tiers' step."""
         plan = self._settled()
         unit = plan.units[index]
-        return self._tree(unit, self._unit_params(unit, self._stream.step).result())
+        return self._tree(unit, self._reads.params(unit, self._stream.step).result())
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -620,8 +545,8 @@ class LayerStream(ClosesOnExit):
             units = [plan.outer, *plan.units[:-1]]
             update = self._new_update(pending.uniform)
             try:
-                read = functools.partial(self._params_and_grads, step=self._stream.step)
-                for unit, (params, grads) in zip(units, self._read_ahead(units, read), strict=True):
+                read = functools.partial(self._reads.params_and_grads, step=self._stream.step)
+                for unit, (params, grads) in zip(units, self._reads.ahead(units, read), strict=True):
                     self._hand_over(update, unit, params, grads, pending.scale)
                 self._end(update, None)
             except BaseException:
@@ -629,6 +554,17 @@ class LayerStream(ClosesOnExit):
                 update.abort("applying the deferred update failed")
                 raise
         return plan
+
+    def _release(self, *, delete: bool) -> None:
+        """Stops the reads, closes the tiers (``delete``: removing their files) and removes the inputs' files."""
+        try:
+            if self._reads is not None:
+                self._reads.close()
+            if self._stream is not None:
+                self._stream.close(delete=delete)
+        finally:
+            if self._inputs is not None:
+                self._inputs.close()
 
     def _initialised(self) -> LayerPlan:
         if self._plan is None or self._stream is None:
@@ -667,11 +603,8 @@ class LayerStream(ClosesOnExit):
                 self.flush()
         finally:
             self._closed = True
-            self._readers.shutdown(wait=True)
             self._writers.shutdown(wait=True)
-            self._close_files()
-            if self._stream is not None:
-                self._stream.close(delete=delete)
+            self._release(delete=delete)
 
 
 CLIPPINGS = ("speculate", "defer")
@@ -716,20 +649,6 @@ def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
     sharding = getattr(x, "sharding", None)
     spans = sharding is not None and len(sharding.device_set) > 1
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if spans else None)
-
-
-def _wait(kept: Sequence[Any]) -> None:
-    """Waits until a layer's inputs are kept: their copies made, or their files written."""
-    for x in kept:
-        if isinstance(x, Spilled):
-            x.written.result()
-        else:
-            x.block_until_ready()
-
-
-def _ready(xs: Sequence[Any]) -> list[jax.Array]:
-    """Inputs coming back, as arrays: a read's result, or the array."""
-    return [x.result() if isinstance(x, concurrent.futures.Future) else x for x in xs]
 
 
 def _pieces_of(pieces: Sequence[Piece], blocks: Sequence[jax.Array]) -> list[jax.Array]:

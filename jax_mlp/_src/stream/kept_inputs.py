@@ -1,9 +1,11 @@
-"""Layer inputs kept in files between a layer-streamed forward and its backward (``activations=<a directory>``).
+"""Where a layer-streamed step keeps each layer's inputs between its forward and its backward.
 
-A long sequence's inputs, one per layer and micro-batch, may crowd both the device and host RAM. Each
-is written, shard by shard, to a file of the directory through tensorstore's ``file`` key-value store
-as the forward makes it, on writer threads, and read back onto its shards' devices on reader threads
-when the backward asks for it (a layer ahead). Only the inputs in flight are in memory.
+On the device (``activations="device"``), in host memory (``"pinned_host"``: copied out as the forward
+makes them, back a layer ahead of the backward), or in files (a directory: for a long sequence's
+inputs, which may crowd both the device and host RAM). In files, each input is written shard by shard
+through tensorstore's ``file`` key-value store as the forward makes it, on writer threads, and read
+back onto its shards' devices on reader threads when the backward asks for it (a layer ahead): only
+the inputs in flight are in memory.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import tensorstore as ts
 
 from jax_mlp._src.errors import OffloadError
+from jax_mlp._src.plan.sharding import DEVICE_MEMORY, MEMORY_KINDS, in_memory
 
 
 class Spilled(NamedTuple):
@@ -95,3 +99,64 @@ class InputFiles:
         self._writers.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def check_where(where: Any) -> None:
+    """Refuses a place for the inputs that is neither a memory kind nor a directory (an ``os.PathLike``).
+
+    Raises:
+      OffloadError: naming what was given and what is accepted.
+    """
+    if not isinstance(where, os.PathLike) and where not in MEMORY_KINDS:
+        raise OffloadError(
+            f"activations must be one of {', '.join(map(repr, MEMORY_KINDS))} or a directory as a pathlib.Path "
+            f"(where each layer's input is kept between the forward and the backward), got {where!r}"
+        )
+
+
+class KeptInputs:
+    """The layers' inputs kept for the backward: in a memory kind of their devices, or in :class:`InputFiles`.
+
+    Args:
+      where: ``"device"``, ``"pinned_host"``, or a directory (an ``os.PathLike``) for the files (see
+        :func:`check_where`).
+      threads: the files' writer and reader threads.
+
+    Raises:
+      OffloadError: the directory cannot be written.
+    """
+
+    def __init__(self, where: str | os.PathLike, threads: int):
+        self._kind = None if isinstance(where, os.PathLike) else where
+        self._files = None if self._kind else InputFiles(where, threads)
+
+    def keep(self, index: int, xs: Sequence[jax.Array]) -> list[Any]:
+        """Layer ``index``'s inputs (one per micro-batch) kept: in their memory kind, or being written."""
+        if self._files is None:
+            return [in_memory(x, self._kind) for x in xs]
+        return [self._files.put(f"{index}.{m}", x) for m, x in enumerate(xs)]
+
+    def bring(self, kept: Sequence[Any]) -> list[Any]:
+        """Kept inputs coming back to the device: copies dispatched, or reads started (futures); see :func:`ready`."""
+        if self._files is None:
+            return [in_memory(x, DEVICE_MEMORY) for x in kept]
+        return [self._files.get(spilled) for spilled in kept]
+
+    def close(self) -> None:
+        """Removes the files, if any."""
+        if self._files is not None:
+            self._files.close()
+
+
+def wait(kept: Sequence[Any]) -> None:
+    """Waits until a layer's inputs are kept: their copies made, or their files written."""
+    for x in kept:
+        if isinstance(x, Spilled):
+            x.written.result()
+        else:
+            x.block_until_ready()
+
+
+def ready(xs: Sequence[Any]) -> list[jax.Array]:
+    """Inputs :meth:`KeptInputs.bring` brought back, as arrays: a read's result, or the array."""
+    return [x.result() if isinstance(x, concurrent.futures.Future) else x for x in xs]
