@@ -20,7 +20,7 @@ from test_multiprocess import finish, launch
 
 import jax_mlp
 
-CLIP, STEPS, KILLED_AT = 6.0, 4, 2  # the clipping fires in some of the steps (the children count the redone ones)
+CLIP, STEPS, KILLED_AT, SAVED_AT = 6.0, 4, 2, 2  # the clipping fires in some steps (the children count the redos)
 
 CHILD = textwrap.dedent(
     """
@@ -32,7 +32,7 @@ CHILD = textwrap.dedent(
     import optax, orbax.checkpoint as ocp, jax_mlp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from test_layers import STACK, batch_at, model
-    from test_layers_multiprocess import CLIP, STEPS
+    from test_layers_multiprocess import CLIP, SAVED_AT, STEPS
 
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))  # 4 devices of each process
 
@@ -44,7 +44,9 @@ CHILD = textwrap.dedent(
     paths = [os.path.join(root, f"nvme{me}"), os.path.join(root, "pfs")]
     if mode == "die":  # slow paths, so that a kill lands in the middle of a step
         paths = [jax_mlp.Path(p, max_read="10KB/s", max_write="10KB/s") for p in paths]
-    clipping = "speculate" if mode == "train" else "defer"  # the killed run defers each update to the next forward
+    if mode == "restore":  # the checkpoint of step SAVED_AT, into other paths
+        paths = [os.path.join(root, f"restored{me}")]
+    clipping = "defer" if mode in ("die", "resume") else "speculate"  # the killed run defers each update
     stream = lambda: jax_mlp.stream_layers(  # noqa: E731
         STACK, optax.adam(1e-2), max_grad_norm=CLIP, clipping=clipping, microbatches=2, paths=paths, peer_timeout=10,
         subgroup_size="512B", resume=mode == "resume",
@@ -56,33 +58,40 @@ CHILD = textwrap.dedent(
             print("refused:", error, flush=True)
     outer = {"embedding": put(outer["embedding"], P(None, "fsdp")), "out": put(outer["out"], P())}
     stacked = jax.tree.map(lambda x: put(x, P(None, "fsdp")), stacked)
+    manager = ocp.CheckpointManager(os.path.join(root, "checkpoints"))  # each process saves the blocks it holds
     with stream() as run:
-        state = run.init(outer, stacked)
+        if mode == "restore":
+            like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (outer, stacked))
+            state = manager.restore(SAVED_AT, args=ocp.args.Composite(model=jax_mlp.OffloadRestore(run, like)))["model"]
+        else:
+            state = run.init(outer, stacked)
         print("init at", int(state.step), flush=True)
         for step in range(int(state.step), STEPS):
+            if mode == "train" and step == SAVED_AT:  # saved while training goes on
+                manager.save(step, args=ocp.args.Composite(model=jax_mlp.OffloadSave(run)))
             print("step", step, flush=True)
             _, state = run.step(state, batch_at(step))
         print("rolled back", run.rolled_back, flush=True)
-        if mode == "train":  # each process saves the regions of the blocks it holds
-            with ocp.CheckpointManager(os.path.join(root, "checkpoints")) as manager:
-                manager.save(STEPS, args=ocp.args.Composite(model=jax_mlp.OffloadSave(run)))
+        if mode == "train":
+            manager.save(STEPS, args=ocp.args.Composite(model=jax_mlp.OffloadSave(run)))
+        manager.close()
         blocks = {}
         for index, leaf in enumerate(jax.tree.leaves(run.params())):
             for n, shard in enumerate(leaf.addressable_shards):
                 blocks[f"{index}_{n}"] = np.asarray(shard.data)
                 blocks[f"{index}_{n}_at"] = np.array([s.start or 0 for s in shard.index], dtype=np.int64)
-    np.savez(os.path.join(root, f"result{me}.npz"), **blocks)
+    np.savez(os.path.join(root, f"{'restored' if mode == 'restore' else 'result'}{me}.npz"), **blocks)
     print("done", flush=True)
     """
 )
 
 
-def gathered(tmp_path):
+def gathered(tmp_path, name="result"):
     """The children's params, each leaf put together from the blocks both processes hold."""
     start = jax.tree.leaves(model())
     leaves = [np.full(x.shape, np.nan, np.float32) for x in start]
     for me in range(2):
-        with np.load(tmp_path / f"result{me}.npz") as result:
+        with np.load(tmp_path / f"{name}{me}.npz") as result:
             for key in (k for k in result.files if not k.endswith("_at")):
                 block, at = result[key], result[f"{key}_at"]
                 leaves[int(key.split("_")[0])][tuple(slice(a, a + n) for a, n in zip(at, block.shape, strict=True))] = (
@@ -100,7 +109,8 @@ def assert_as_the_whole_model_in_optax(tmp_path):
 
 def test_two_processes_stream_their_shards_and_train_as_the_whole_model_in_optax(tmp_path):
     """Each process reads and updates its own shards of each layer (its records on its own paths); the layer
-    programs gather across processes; the clipping fires and is redone in both; micro-batches layer-major."""
+    programs gather across processes; the clipping fires and is redone in both; micro-batches layer-major. Each
+    process saves the blocks it holds: restored into two processes on other paths, the run ends bitwise."""
     outputs = finish(launch(tmp_path, "train", CHILD))
     for out in outputs:
         assert "refused: with 2 jax processes" in out and "['outer']['embedding'] is on one device" in out, out
@@ -119,6 +129,10 @@ def test_two_processes_stream_their_shards_and_train_as_the_whole_model_in_optax
         restored = checkpointer.restore(tmp_path / "checkpoints" / str(STEPS) / "model", layout)
     assert_same_bits(restored["params"], tree, "the params two processes saved")
     assert int(restored["opt_state"][0].count) == STEPS
+
+    outputs = finish(launch(tmp_path, "restore", CHILD))  # the checkpoint saved beside training, at SAVED_AT
+    assert all(f"init at {SAVED_AT}" in out for out in outputs), outputs
+    assert_same_bits(gathered(tmp_path, "restored"), (outer, stacked), "restored into two processes")
 
 
 def test_a_peer_killed_mid_step_ends_the_survivor_and_both_resume_from_the_tiers(tmp_path):
