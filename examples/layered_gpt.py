@@ -13,8 +13,10 @@ initial model is ever whole in memory.
     python examples/layered_gpt.py --layers 24 --d-model 1024 --layer-init --steps 3   # about 300M params
 
 ``--compare`` steps the same model with ``jax.grad`` and plain optax in memory from the params the
-stream holds, each step, and prints the largest deviation of a step (the contract: 1e-5 of max|p|). The data is the docstrings of
-the Python standard library (``train_gpt.py``'s corpus): nothing is downloaded.
+stream holds, each step, and prints the largest deviation of a step (the contract: 1e-5 of max|p|).
+``--clipping defer`` defers each update to the next forward; ``--activations DIR`` keeps the blocks'
+inputs in files there (docs/layers.md). The data is the docstrings of the Python standard library
+(``train_gpt.py``'s corpus): nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import pathlib
 import resource
 import sys
 import tempfile
@@ -102,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=1, help="layer-major gradient accumulation")
+    parser.add_argument(
+        "--clipping", choices=("speculate", "defer"), default="speculate", help="when a clipped step's update runs"
+    )
+    parser.add_argument(
+        "--activations", default="device", help="where each layer's input waits: device, pinned_host, or a directory"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -130,7 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = args.layers * layer_bytes + sum(x.nbytes for x in jax.tree.leaves(outer_params))
     print(f"{args.layers} blocks of {layer_bytes / 2**20:.1f} MiB, {params / 2**20:.1f} MiB of params in all")
     start = time.perf_counter()
-    with jax_mlp.stream_layers(stack, inner, max_grad_norm=1.0, microbatches=args.microbatches, **options) as stream:
+    kept = args.activations if args.activations in ("device", "pinned_host") else pathlib.Path(args.activations)
+    options.update(clipping=args.clipping, activations=kept, microbatches=args.microbatches)
+    with jax_mlp.stream_layers(stack, inner, max_grad_norm=1.0, **options) as stream:
         if args.layer_init:
             state = stream.init(outer_params, layer_init=lambda i: one_block(args, i), num_layers=args.layers)
         else:

@@ -91,11 +91,13 @@ def test_big_state_peak_rss_stays_well_below_a_state_four_times_the_cache(tmp_pa
 
 
 def test_layered_gpt_learns_with_its_params_in_the_tiers_and_steps_as_plain_optax(tmp_path):
-    """``examples/layered_gpt.py``: NNX blocks made one at a time into the tiers, 4 micro-batches, clipping; each
-    step within the core tolerance of ``jax.grad`` and plain optax from the same params."""
+    """``examples/layered_gpt.py``: NNX blocks made one at a time into the tiers, 4 micro-batches, clipping (its
+    updates deferred, the layers' inputs in files); each step within the core tolerance of ``jax.grad`` and plain
+    optax from the same params."""
     layered = load_module(EXAMPLES / "layered_gpt.py")
     result = layered.main(
         ["--steps", "12", "--layers", "3", "--d-model", "32", "--seq-len", "32", "--microbatches", "4",
+         "--clipping", "defer", "--activations", str(tmp_path / "inputs"),
          "--layer-init", "--compare", "--params-hash", "--log-every", "100",
          "--paths", str(tmp_path / "nvme"), str(tmp_path / "pfs")]
     )  # fmt: skip
