@@ -20,7 +20,6 @@ from jax_mlp._src import state_codecs
 from jax_mlp._src.checkpoint.items import METADATA_KEY, StreamedLeaf, pytree_handler
 from jax_mlp._src.checkpoint.layout import (
     MASTER,
-    PARAMS,
     STATE,
     Region,
     abstract_params,
@@ -134,10 +133,10 @@ class _Restore:
         self.param_layouts = param_layouts
         self.codes = state_codecs.int8_codes(jax.tree_util.tree_unflatten(self.layout.treedef, self.layout.leaves))
 
-    def _master_from_params(self, region: Region, leaf: int) -> np.ndarray:
-        if self.param_layouts is not None:  # the checkpoint's params, at the same region of the params part
-            params_region = region._replace(leaf=self.layout.names.index(f"['{PARAMS}']{self.plan.leaves[leaf].path}"))
-            return np.asarray(region_of(self.arrays[params_region.leaf], params_region).read().result())
+    def _master_from_params(self, region: Region, leaf: int, params_read: Any) -> np.ndarray:
+        """A master the checkpoint lacks: the checkpoint's params (``params_read``, a layer stream's), or the user's."""
+        if params_read is not None:
+            return np.asarray(params_read.result())
         return host_block(self.params[leaf], region.box).astype(self.plan.master_dtype)
 
     def _check_codes(self, value: np.ndarray, region: Region) -> None:
@@ -154,9 +153,13 @@ class _Restore:
         fields = [*subgroup.layout.state_fields, *subgroup.layout.master_fields, *params]
         reads = [None if self.arrays[r.leaf] is None else region_of(self.arrays[r.leaf], r).read() for r in regions]
         split, masters = len(subgroup.layout.state_fields), len(subgroup.layout.master_fields)
+        params_reads = reads[split + masters :] or [None] * masters  # the checkpoint's params, piece by piece
         values = []
         for i, (region, field, read) in enumerate(zip(regions, fields, reads, strict=True)):
-            value = self._master_from_params(region, subgroup.pieces[i - split].leaf) if read is None else read.result()
+            if read is None:  # only a master lacks its array
+                value = self._master_from_params(region, subgroup.pieces[i - split].leaf, params_reads[i - split])
+            else:
+                value = read.result()
             if field.dtype == remainders.REMAINDER_DTYPE and split <= i < split + masters:
                 value = remainders.split(np.asarray(value, np.float32))[1]
             if read is not None and self.codes[region.leaf]:

@@ -542,12 +542,10 @@ class LayerStream(ClosesOnExit):
         plan = self._initialised()
         pending, self._pending = self._pending, None
         if pending is not None:
-            units = [plan.outer, *plan.units[:-1]]
-            update = self._new_update(pending.uniform)
+            update = self._new_update(pending.uniform, fresh=True)
             try:
-                read = functools.partial(self._reads.params_and_grads, step=self._stream.step)
-                for unit, (params, grads) in zip(units, self._reads.ahead(units, read), strict=True):
-                    self._hand_over(update, unit, params, grads, pending.scale)
+                for _ in self._applied(update, pending.scale, [plan.outer, *plan.units[:-1]]):
+                    pass  # no forward computes with the new params: each unit's go as they come
                 self._end(update, None)
             except BaseException:
                 self._pending = pending
