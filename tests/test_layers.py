@@ -3,6 +3,7 @@ state live in the tiers, against the same math held in memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -411,9 +412,11 @@ def test_kill_9_mid_step_resumes_from_the_tiers_bitwise(point, tmp_path):
 
 
 def test_each_step_moves_the_bytes_of_the_plan_command_formula(tmp_path):
-    """Without a host cache: the forward reads every params record, the backward every one but the last layer's
-    (still on the device), the update reads every state record and writes both. The library's counts are ``jax-mlp plan --params-in tiers``'s formula exactly,
-    every step, and each path's are its share within one record."""
+    """Without a host cache: the forward reads every params record but the outer params' and the first layer's,
+    which it takes from the last step's update as it made them (that update's writes run on into it); the
+    backward every one but the last layer's (still on the device); the update reads every state record and writes
+    both. From one commit to the next (the first holds two forwards), the library's counts are ``jax-mlp plan
+    --params-in tiers``'s formula exactly, every step, and each path's are its share within one record."""
     from jax_mlp._src.cli.streamed import streamed_bytes
 
     outer, stacked = model()
@@ -421,17 +424,23 @@ def test_each_step_moves_the_bytes_of_the_plan_command_formula(tmp_path):
     with jax_mlp.stream_layers(STACK, optax.adam(1e-2), paths=paths, subgroup_size="2KiB") as stream:
         state = stream.init(outer, stacked)
         records = stream._stream.record_bytes
-        subgroups = len(stream.plan.plan.subgroups)
-        last_layer = sum(records[subgroups + k] for k in stream.plan.units[-2].subgroups)
-        read, write = streamed_bytes(sum(records[subgroups:]), sum(records[:subgroups]), 0, last_layer)
+        subgroups, units = len(stream.plan.plan.subgroups), stream.plan.units
+        last_layer = sum(records[subgroups + k] for k in units[-2].subgroups)
+        kept = sum(records[subgroups + k] for unit in (units[-1], units[0]) for k in unit.subgroups)
+        read, write = streamed_bytes(sum(records[subgroups:]), sum(records[:subgroups]), 0, last_layer, 0, kept)
         shares = stream._stream.scheduler.shares  # the model's best split, as plan computes it
-        for step in range(3):
+        for step in range(4):
             _, state = stream.step(state, batch_at(step))
+            assert int(state.step) == step + 1 and stream.step_count == step  # committed in the next forward
+            if step < 2:
+                continue
             stats = stream.stats
             assert sum(stats.bytes_read.values()) == read and sum(stats.bytes_written.values()) == write, step
             for path, share in zip(stats.paths, shares, strict=True):
                 assert abs(stats.bytes_read[path] - share * read) <= 2 * max(records), (path, step)
                 assert abs(stats.bytes_written[path] - share * write) <= max(records), (path, step)
+        stream.flush()
+        assert stream.step_count == 4
 
 
 def test_a_host_cache_keeps_the_turnarounds(tmp_path):
@@ -556,6 +565,60 @@ def test_a_full_activations_directory_names_the_file_and_commits_nothing(tmp_pat
                 stream.step(state, batch_at(0, 4096))  # 256 KiB a layer's input
             assert stream.step_count == 0
             assert_same_bits(stream.params(), (outer, stacked), "the tiers after the failed step")
+
+
+@pytest.mark.parametrize("when", ["in its step", "after its step returned"])
+def test_a_disk_that_fills_while_the_update_writes_names_the_path_and_loses_nothing(when, tmp_path, monkeypatch):
+    """A real tmpfs filled by another writer after step 1, while step 2's update writes: in its step (the backward
+    handing over learns it), or once the step has returned (its last record held back until the disk is full, as
+    the writes run on into the next forward: that forward fails). An ``OffloadError`` names the path and the step
+    the tiers hold, and running that step again once there is room ends bitwise where an uninterrupted run does."""
+    import threading
+
+    from helpers import tmpfs
+
+    from jax_mlp._src.plan.layers import update_order
+    from jax_mlp._src.storage.paths import PathStore
+
+    outer, stacked = model()
+    inner = optax.adam(1e-2)
+    with jax_mlp.stream_layers(STACK, inner, paths=[tmp_path / "whole"], **CRASH_OPTIONS) as stream:
+        uninterrupted, _ = train(stream, outer, stacked, range(4))
+    with (
+        tmpfs(tmp_path / "small", "4m") as small,
+        jax_mlp.stream_layers(STACK, inner, paths=[small], **CRASH_OPTIONS) as stream,
+    ):
+        _, held = stream.step(stream.init(outer, stacked), batch_at(0))
+        stream.flush()
+        full = threading.Event()
+        if when == "after its step returned":
+            last, write = update_order(stream.plan)[-1], PathStore.write
+
+            def held_back(self, record, slot, data):
+                if record == last and slot == 0 and not full.is_set():  # step 2's last record
+                    assert full.wait(60)
+                return write(self, record, slot, data)
+
+            monkeypatch.setattr(PathStore, "write", held_back)
+            _, state = stream.step(held, batch_at(1))
+        with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 4096)
+        full.set()
+        with pytest.raises(jax_mlp.OffloadError, match=rf"path {small} is full.*free space") as raised:
+            if when == "in its step":
+                _, state = stream.step(held, batch_at(1))
+            stream.step(state, batch_at(2))
+        if when == "after its step returned":
+            assert re.search(
+                r"the update of step 2 failed while writing its records .*the tiers hold step 1", str(raised.value)
+            )
+        assert stream.step_count == 1
+        (small / "filler").unlink()
+        state = held
+        for step in range(1, 4):
+            _, state = stream.step(state, batch_at(step))
+        assert_same_bits(stream.params(), uninterrupted, f"run again after the disk filled {when}")
 
 
 def test_activations_elsewhere_are_refused_before_anything_is_written(tmp_path):

@@ -270,7 +270,8 @@ def test_mistakes_are_one_line_and_status_2(args, message, capsys):
 
 def test_a_layer_streamed_plan_adds_the_grads_each_way_when_the_update_is_deferred(capsys):
     """``--params-in tiers``: the step's bytes are ``streamed_bytes``'s (the formula the library's own counts meet,
-    ``tests/test_layers.py``), each path's share of them; ``--clipping defer`` adds the grads, the params' bytes."""
+    ``tests/test_layers.py``), each path's share of them; ``--clipping defer`` adds the grads, the params' bytes,
+    and its forward reads the first layer, which a speculated update's forward takes as the update made it."""
     from jax_mlp._src.cli.streamed import streamed_bytes
 
     node = ["--params", "175B", "--master", "--params-in", "tiers", "--layers", "96", "--processes-per-node", "4"]
@@ -284,6 +285,9 @@ def test_a_layer_streamed_plan_adds_the_grads_each_way_when_the_update_is_deferr
         assert "predicted step" in out
     params = parse_size(re.search(r"params records ([\d.]+ \w+),", out).group(1))
     state = parse_size(re.search(r"state records ([\d.]+ \w+) per", out).group(1))
-    read, write = streamed_bytes(params, state, parse_size("200GiB") / 4, params / 96)  # the cache per process
-    assert said["speculate"] == pytest.approx([read, write], rel=1e-3)
-    assert said["defer"] == pytest.approx([read + params, write + params], rel=1e-3)
+    cache, layer = parse_size("200GiB") / 4, params / 96  # the cache per process
+    speculated = streamed_bytes(params, state, cache, layer, kept_bytes=layer)  # the first layer from the update
+    deferred = streamed_bytes(params, state, cache, layer, grads_bytes=params)  # read by the forward to update it
+    assert said["speculate"] == pytest.approx(speculated, rel=1e-3)
+    assert said["defer"] == pytest.approx(deferred, rel=1e-3)
+    assert deferred[1] == speculated[1] + params and deferred[0] > speculated[0] + params

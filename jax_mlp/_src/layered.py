@@ -41,8 +41,9 @@ def stream_layers(
     Each step is a loop of jitted per-layer programs driven from the host: the forward reads each
     layer's params from the tiers (host cache first, the next layers read ahead), the backward reads
     them again in reverse and recomputes inside each layer, and each layer's grads go to the update
-    as soon as its backward returns. The update writes the new state and params to the tiers, so a
-    model larger than host RAM trains with about two layers of params on the device. The math is
+    as soon as its backward returns. The update writes the new state and params to the tiers (its last
+    writes running on into the next step's forward, which commits it), so a model larger than host RAM
+    trains with about two layers of params on the device. The math is
     ``optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)`` on the whole model (without the
     clipping when ``max_grad_norm`` is None), the grads being the micro-batches' mean.
 

@@ -53,13 +53,19 @@ class StreamedStep(NamedTuple):
 
 
 def streamed_bytes(
-    params_bytes: float, state_bytes: float, cache_bytes: float, layer_bytes: float, grads_bytes: float = 0
+    params_bytes: float,
+    state_bytes: float,
+    cache_bytes: float,
+    layer_bytes: float,
+    grads_bytes: float = 0,
+    kept_bytes: float = 0,
 ) -> tuple[float, float]:
-    """``(read, write)`` bytes of one step: the params read by the forward and, but for the last layer's
-    ``layer_bytes``, by the backward (less the cache's turnarounds), the state once, and both written once;
-    the grads (``grads_bytes``, with ``clipping="defer"``) written once and read once."""
-    backward = params_bytes - layer_bytes
-    read = params_bytes - min(cache_bytes, params_bytes) + backward - min(cache_bytes, backward) + state_bytes
+    """``(read, write)`` bytes of one step: the params read by the forward, but for the ``kept_bytes`` it takes
+    from the last step's update as it made them, and by the backward, but for the last layer's ``layer_bytes``
+    (less the cache's turnarounds); the state once, and both written once; the grads (``grads_bytes``, with
+    ``clipping="defer"``) written once and read once."""
+    forward, backward = params_bytes - kept_bytes, params_bytes - layer_bytes
+    read = forward - min(cache_bytes, forward) + backward - min(cache_bytes, backward) + state_bytes
     return read + grads_bytes, params_bytes + state_bytes + grads_bytes
 
 
@@ -76,7 +82,9 @@ def streamed_step(
     processes = work.nodes * work.processes_per_node
     params = work.params * work.param_bytes / processes
     state = work.state_bytes
-    read, write = streamed_bytes(params, state, cache_bytes, params / work.layers, params if deferred else 0)
+    one_layer = params / work.layers  # the last (the backward's first), and the first (the forward takes it)
+    grads, kept = (params, 0) if deferred else (0, one_layer)
+    read, write = streamed_bytes(params, state, cache_bytes, one_layer, grads, kept)
     shares = best_split(speeds)
     paths = []
     for speed, share in zip(speeds, shares, strict=True):

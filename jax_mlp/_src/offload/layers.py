@@ -15,7 +15,11 @@ of jitted per-layer programs, with no callbacks:
   its backward program returns. The update is one transaction of the state stream on its own thread,
   in the backward's order; each subgroup's fused apply program writes its new state record and its
   new params record to the slot the tiers' step does not hold, so a crash anywhere leaves the last
-  committed step whole: its state and its params.
+  committed step whole: its state and its params;
+- **commit**, in the next step's forward: the step returns once the backward has handed its last unit
+  over, and the update's last writes run on into the next forward, which takes the first units
+  (:data:`FRESH_UNITS`) as the update made them, reads the others once written, and commits the step
+  before its own update begins.
 
 With ``max_grad_norm`` the grads are clipped as ``optax.clip_by_global_norm`` clips them. The norm is
 known only once the backward ends, so by default (``clipping="speculate"``) the update runs on the
@@ -73,8 +77,9 @@ from jax_mlp._src.stream.unit_reads import UnitReads
 class LayerStream(ClosesOnExit):
     """A layer-streamed model's training: :meth:`init` fills the tiers, :meth:`step` runs one training step.
 
-    With ``clipping="defer"`` a step returns with its update pending; the next step's forward runs it,
-    and so do ``flush``, ``close``, ``params``, ``unit_params`` and ``pin`` (a checkpoint save) first.
+    A step returns with its update still writing (with ``clipping="defer"``, not yet run); the next step's
+    forward finishes and commits it, and so do ``flush``, ``close``, ``params``, ``unit_params`` and ``pin`` (a
+    checkpoint save) first.
 
     Made by :func:`stream_layers`. Its params, grads and optimizer state live in the tiers; host RAM
     holds the cache and a few units' staging, the device about two units' params, one unit's grads and
@@ -130,6 +135,7 @@ class LayerStream(ClosesOnExit):
         self._inputs: KeptInputs | None = None  # where the layers' inputs wait, once initialised
         self._writers = concurrent.futures.ThreadPoolExecutor(config.write_depth, thread_name_prefix="jax_mlp-grads")
         self._pending: _Pending | None = None  # the deferred update the next forward runs
+        self._writing: _Writing | None = None  # the update whose writes the next forward finishes
         self._device = jax.local_devices()[0]
         self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
@@ -149,7 +155,7 @@ class LayerStream(ClosesOnExit):
 
     @property
     def step_count(self) -> int:
-        """The step the tiers hold (with ``clipping="defer"``, the last step's update may still wait: see ``flush``)."""
+        """The step the tiers hold: one behind the handle until the next forward (or ``flush``) commits the last step."""
         return 0 if self._stream is None else self._stream.step
 
     @property
@@ -312,10 +318,12 @@ class LayerStream(ClosesOnExit):
         treedef = plan.outer_treedef if unit is plan.outer else plan.layer_treedef
         return jax.tree_util.tree_unflatten(treedef, list(leaves))
 
-    def _keys(self, unit: Unit) -> list[tuple]:
-        """The update's block keys (leaf, device) of ``unit``, in plan order."""
+    def _keys(self, *units: Unit) -> list[tuple]:
+        """The update's block keys (leaf, device) of ``units``, in plan order."""
         subgroups = self._plan.plan.subgroups
-        return list(dict.fromkeys((p.leaf, p.device) for k in unit.subgroups for p in subgroups[k].pieces))
+        return list(
+            dict.fromkeys((p.leaf, p.device) for unit in units for k in unit.subgroups for p in subgroups[k].pieces)
+        )
 
     def step(self, state: OffloadState, batch: Any) -> tuple[jax.Array, OffloadState]:
         """One training step: forward, backward and update, layer by layer; returns the loss and the new handle.
@@ -329,15 +337,16 @@ class LayerStream(ClosesOnExit):
 
         Raises:
           OffloadError: before ``init``, after ``close``, or for a handle of another step; the tiers then
-            keep the step they held.
+            keep the step they held. Also when the last step's update failed to write its records (a full
+            disk): naming the path and the step the tiers hold, whose handle runs the failed step again.
         """
         if self._stream is None:
             raise OffloadError("stream_layers.step was called before init: call init first")
         self._check_open()
         stream, plan = self._stream, self._plan
         step = int(state.step)
-        pending = self._pending
-        stream.check_step(step if pending is None else step - 1)
+        pending, writing = self._pending, self._writing
+        stream.check_step(step - (pending is not None or writing is not None))
         micro = split_batch(batch, self.microbatches)
         shared = inputs.check_shared(stream.programs.shared_shapes, state.shared)
         shared_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stream.programs.shared_shapes), shared)
@@ -349,18 +358,25 @@ class LayerStream(ClosesOnExit):
         update = None
         scale = None
         try:
-            if pending is None:
-                ahead = self._reads.ahead(units, functools.partial(self._reads.params, step=stream.step))
-            else:  # the last step's deferred update, each unit's just before this forward computes with it
-                update = self._new_update(pending.uniform, fresh=True)
+            if (
+                pending is not None
+            ):  # the last step's deferred update, each unit's just before this forward computes with it
+                update = self._new_update(pending.uniform, fresh=self._keys(*units))
                 ahead = self._applied(update, pending.scale, units)
+            elif writing is not None:  # the last step's update still writing: its first units as it made them
+                ahead = self._written(writing.update, units)
+            else:
+                ahead = self._reads.ahead(units, functools.partial(self._reads.params, step=stream.step))
             outer = self._tree(plan.outer, next(ahead))
             xs = [self._jitted.embed(outer, b) for b in micro]
             kept: list[list[Any]] = []
             for index, unit in enumerate(units[1:]):
                 last = next(ahead)  # the last layer's stay on the device for the backward's first
                 if index == len(units) - 2 and pending is None and not self._defers:  # the update's reads begin
-                    update = self._new_update(uniform)
+                    if writing is not None:  # every read of this forward is done: the last step's writes are too
+                        self._end_writing(writing)
+                        writing = None
+                    update = self._new_update(uniform, fresh=self._keys(*units[:FRESH_UNITS]))
                 kept.append(self._inputs.keep(index, xs))
                 xs = [self._jitted.layer(self._tree(unit, last), x) for x in xs]
                 kept_inputs.wait(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
@@ -382,23 +398,54 @@ class LayerStream(ClosesOnExit):
                 if self.max_grad_norm is not None and (scale := self._scale(sums)) is not None:
                     update.abort("the clipping fired: the step is redone with the clipped grads")
                     self.rolled_back += 1
-                    update = self._new_update(uniform)
+                    update = self._new_update(uniform, fresh=self._keys(*units[:FRESH_UNITS]))
                     self._backward(self._giver(update, scale), micro, kept, head_grads, gys, None)
-                self._end(update, scale)
+                self._writing, update = _Writing(update, scale), None  # its writes run into the next forward
         except BaseException:
             if update is not None:
                 update.abort("the step failed")
+            if self._writing is writing is not None:  # committed if its writes went through: the handle then holds
+                self._end_writing(writing)
             raise
         loss = losses[0] if len(losses) == 1 else jnp.mean(jnp.stack(losses))
-        return loss, OffloadState(jnp.asarray(stream.step + (self._pending is not None), jnp.int32), new_shared)
+        waiting = self._pending is not None or self._writing is not None
+        return loss, OffloadState(jnp.asarray(stream.step + waiting, jnp.int32), new_shared)
 
-    def _new_update(self, uniform: Uniform, *, fresh: bool = False) -> LayerUpdate:
+    def _new_update(self, uniform: Uniform, *, fresh: Sequence[tuple] = ()) -> LayerUpdate:
         return LayerUpdate(self._stream, self._plan.plan, uniform, self._devices, self.config.io_timeout, fresh=fresh)
 
     def _end(self, update: LayerUpdate, scale: jax.Array | None) -> None:
         """Waits for ``update`` and commits its step."""
         _, timings, compiles = update.finish()
         self._stream.end(update.transaction, timings, compiles, {"rolled_back": scale is not None})
+
+    def _end_writing(self, writing: _Writing) -> None:
+        """Commits the last step's update once its writes are done; if they failed, undoes it and says what the
+        tiers hold."""
+        self._writing = None
+        try:
+            self._end(writing.update, writing.scale)
+        except Exception as error:
+            writing.update.abort("its writes failed")
+            step = self._stream.step
+            raise OffloadError(
+                f"the update of step {step + 1} failed while writing its records ({error}); the tiers hold step "
+                f"{step}: fix the cause, then continue from step {step} (stream_layers(..., resume=True)) and run "
+                f"step {step + 1} again"
+            ) from error
+        except BaseException:
+            writing.update.abort("interrupted")
+            raise
+
+    def _written(self, update: LayerUpdate, units: Sequence[Unit]) -> Iterator[list]:
+        """Each unit's params after ``update``, whose writes still run: the first units' as it made them, the
+        others read from its records, each once written."""
+        step = self._stream.step + 1
+        read = functools.partial(self._reads.params, step=step, written=update.wait_stored)
+        reads = self._reads.ahead(units[FRESH_UNITS:], read)
+        for unit in units[:FRESH_UNITS]:
+            yield self._plan.sharding.assemble(self._plan.plan, update.take_fresh(self._keys(unit)), unit.leaves)
+        yield from reads
 
     def _scale(self, sums: dict[int, jax.Array]) -> jax.Array | None:
         """The global norm the grads are scaled by (as ``clip_by_global_norm`` scales them), or None: no clipping."""
@@ -538,11 +585,13 @@ class LayerStream(ClosesOnExit):
     # ----------------------------------------------------------------------------- lifecycle
 
     def _settled(self) -> LayerPlan:
-        """The plan, once the deferred update (if any) has run over every unit and been committed."""
+        """The plan, once the last step's update (still writing, or deferred) has run and been committed."""
         plan = self._initialised()
+        if self._writing is not None:
+            self._end_writing(self._writing)
         pending, self._pending = self._pending, None
         if pending is not None:
-            update = self._new_update(pending.uniform, fresh=True)
+            update = self._new_update(pending.uniform, fresh=self._keys(*plan.units))
             try:
                 for _ in self._applied(update, pending.scale, [plan.outer, *plan.units[:-1]]):
                     pass  # no forward computes with the new params: each unit's go as they come
@@ -585,8 +634,8 @@ class LayerStream(ClosesOnExit):
         return self._stream.tiers.read_pinned(pin, record)
 
     def flush(self) -> None:
-        """Runs a deferred update (``clipping="defer"``) and writes every dirty cached record to storage, so the
-        tiers alone hold the newest step."""
+        """Commits the last step's update (running a deferred one first) and writes every dirty cached record to
+        storage, so the tiers alone hold the newest step."""
         self._check_open()
         if self._stream is not None:
             self._settled()
@@ -601,12 +650,28 @@ class LayerStream(ClosesOnExit):
                 self.flush()
         finally:
             self._closed = True
+            if self._writing is not None:  # deleted, or a flush that failed: nothing to commit
+                self._writing.update.abort("closed")
+                self._writing = None
             self._writers.shutdown(wait=True)
             self._release(delete=delete)
 
 
 CLIPPINGS = ("speculate", "defer")
 """When the update of a step whose grads are clipped by their global norm runs: see :class:`LayerStream`."""
+
+
+FRESH_UNITS = 2
+"""The units a step's forward takes from the last step's update as it made them, not from their records: the
+outer params and the first layer, the last the update makes and the first the forward needs, so the update's
+writes run on into the forward."""
+
+
+class _Writing(NamedTuple):
+    """An update whose writes run into the next forward: what the clipping scaled its grads by (None: not clipped)."""
+
+    update: LayerUpdate
+    scale: jax.Array | None
 
 
 class _Pending(NamedTuple):

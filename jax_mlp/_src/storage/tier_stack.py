@@ -132,6 +132,7 @@ class TierStack:
         self._lock = threading.Lock()
         self._path_of: dict[int, int] = {}  # the path index of each subgroup's newest stored record
         self._moved: list[tuple[int, int]] = []  # (subgroup, old path) of records moves left behind
+        self._evicting: dict[int, CacheEntry] = {}  # dirty entries the cache let go of, until written
         self._pins: list[Pin] = []
 
     @property
@@ -188,7 +189,9 @@ class TierStack:
         if entry is not None and entry.step == step:
             return Fetched(entry.fields, None)
         with self._lock:
-            index = self._path_of.get(subgroup)
+            entry, index = self._evicting.get(subgroup), self._path_of.get(subgroup)
+        if entry is not None and entry.step == step:  # on its way to its path
+            return Fetched(entry.fields, None)
         if index is None:
             raise OffloadError(
                 f"subgroup {subgroup} has no record of step {step} in the host cache or on any path; "
@@ -247,7 +250,7 @@ class TierStack:
     ) -> list[RecordIO]:
         """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits, else writes them.
 
-        What the cache evicts to make room is written if dirty. Each record goes to the path
+        What the cache evicts to make room is written if dirty, and found by :meth:`fetch` until it is. Each record goes to the path
         ``placement`` gives its subgroup. ``cached``, when given, names the subgroups the cache may
         keep; any other is written, and its older cached record dropped.
 
@@ -257,8 +260,17 @@ class TierStack:
         if not self.cache.fits(record_nbytes) or (cached is not None and subgroup not in cached):
             self.cache.drop(subgroup)
             return [self.write(subgroup, fields, step, placement[subgroup])]
-        evicted = self.cache.put(subgroup, CacheEntry(fields, record_nbytes, step, dirty=True))
-        return [self.write(k, entry.fields, entry.step, placement[k]) for k, entry in evicted if entry.dirty]
+        entry = CacheEntry(fields, record_nbytes, step, dirty=True)
+        evicted = [(k, old) for k, old in self.cache.put(subgroup, entry) if old.dirty]
+        with self._lock:  # readable until written (a reader beside the update: a layer-streamed forward)
+            self._evicting.update(evicted)
+        try:
+            return [self.write(k, old.fields, old.step, placement[k]) for k, old in evicted]
+        finally:
+            with self._lock:
+                for k, old in evicted:
+                    if self._evicting.get(k) is old:
+                        del self._evicting[k]
 
     def write_back(self, subgroup: int, entry: CacheEntry, path: int) -> RecordIO:
         """Writes dirty cached fields to path index ``path`` and marks them clean."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,14 +56,19 @@ class Inbox(Mapping):
             return value
 
     def wait_until_taken(self) -> None:
-        """Waits until every block filed so far has been taken (or the update was called off, or it timed out).
+        """Waits until every block filed so far has been taken.
 
         The backward files a unit's blocks only once the update has taken the previous unit's, so the
         device holds one unit's grads waiting, besides the unit the backward computes.
+
+        Raises:
+          OffloadError: the update was called off (it failed: naming why), or it took longer than the timeout.
         """
         with self._condition:
             if not self._condition.wait_for(lambda: not self._blocks or self._cancelled, self._timeout):
                 raise OffloadError(f"the update did not take a layer's grads within io_timeout={self._timeout:g}s")
+            if self._cancelled:
+                raise OffloadError(f"the layer-streamed update was called off: {self._cancelled}")
 
     def __getitem__(self, key: Any) -> jax.Array:
         with self._condition:
@@ -90,8 +95,8 @@ class LayerResults:
     so each block is updated in place as in ``apply``.
     """
 
-    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[Any, int], fresh: Inbox | None = None):
-        self._plan, self._inbox, self._fresh = plan, inbox, fresh
+    def __init__(self, plan: Any, inbox: Inbox, uses: Mapping[Any, int], fresh: Inbox, kept: Collection[Any]):
+        self._plan, self._inbox, self._fresh, self._kept = plan, inbox, fresh, kept
         self._uses = dict(uses)
         self._blocks: dict[Any, jax.Array] = {}
 
@@ -109,7 +114,7 @@ class LayerResults:
                 grads = self._inbox.pop(("grads", key))
                 if grads is not None:
                     grads.delete()
-                if self._fresh is not None:  # the block's new params, for the forward that waits on them
+                if key in self._kept:  # the block's new params, for the forward that waits on them
                     self._fresh.file({key: block})
         blocks.staging.done(subgroup)
         return out._replace(param_pieces=pieces)
@@ -145,8 +150,10 @@ class _GradsView(Mapping):
 class LayerUpdate:
     """One step's update: a transaction of the state stream, streaming on its own thread as grads come in.
 
-    With ``fresh``, each block's new params are also kept for :meth:`take_fresh` (a deferred update, whose
-    new params the next forward computes with), until taken.
+    The new params of the blocks ``fresh`` names are also kept for :meth:`take_fresh`, until taken: those the
+    next forward computes with before their records are written (a deferred update's, every block; the
+    first units of the next forward, where the writes run into it). :meth:`wait_stored` tells when a
+    subgroup's records are written, so the next forward can read the others.
     """
 
     def __init__(
@@ -157,10 +164,10 @@ class LayerUpdate:
         devices: Sequence[jax.Device],
         timeout: float,
         *,
-        fresh: bool = False,
+        fresh: Collection[Any] = frozenset(),
     ):
         self.inbox = Inbox(timeout)
-        self.fresh = Inbox(timeout, "the update did not make the new") if fresh else None
+        self.fresh = Inbox(timeout, "the update did not make the new")
         uses = collections.Counter((p.leaf, p.device) for sg in plan.subgroups for p in sg.pieces)
         blocks = Blocks(
             _GradsView(self.inbox), None, list(devices), uniform, Staging(plan, ["device"] * len(plan.leaves))
@@ -169,15 +176,22 @@ class LayerUpdate:
         self.transaction: Transaction = stream.begin(cache_state=False)
         self.outcome: Any = None
         self._done = threading.Event()
-        results = LayerResults(plan, self.inbox, uses, self.fresh)
+        self._stored: set[int] = set()
+        self._progress = threading.Condition()
+        self._timeout = timeout
+        results = LayerResults(plan, self.inbox, uses, self.fresh, frozenset(fresh))
 
         def run() -> None:
             try:
-                self.outcome = stream.stream_subgroups(self.transaction, blocks, EAGER, results)
+                self.outcome = stream.stream_subgroups(self.transaction, blocks, EAGER, results, self._note_stored)
             except BaseException as error:
                 self.outcome = error
+                self.inbox.cancel(f"it failed: {error}")  # the backward handing over learns it at once
+                self.fresh.cancel(f"it failed: {error}")
             finally:
-                self._done.set()
+                with self._progress:
+                    self._done.set()
+                    self._progress.notify_all()
 
         self._thread = threading.Thread(target=run, daemon=True, name="jax_mlp-layers-update")
         self._thread.start()
@@ -196,6 +210,27 @@ class LayerUpdate:
             self.fresh.pop(key)
         return taken
 
+    def _note_stored(self, index: int) -> None:
+        with self._progress:
+            self._stored.add(index)
+            self._progress.notify_all()
+
+    def wait_stored(self, index: int) -> None:
+        """Waits until subgroup ``index``'s records are written (its params readable at the update's new step).
+
+        Raises:
+          OffloadError: the update failed first (naming why), or the records took longer than ``io_timeout``.
+        """
+        with self._progress:
+            self._progress.wait_for(lambda: index in self._stored or self._done.is_set(), self._timeout)
+            if index in self._stored:
+                return
+        if isinstance(self.outcome, BaseException):
+            raise OffloadError(
+                f"the update writing subgroup {index}'s records failed: {self.outcome}"
+            ) from self.outcome
+        raise OffloadError(f"subgroup {index}'s records were not written within io_timeout={self._timeout:g}s")
+
     def finish(self) -> tuple[Any, Any, int]:
         """Waits for the stream; raises what it raised (the transaction is then still to be aborted)."""
         self._done.wait()
@@ -206,7 +241,6 @@ class LayerUpdate:
     def abort(self, reason: str) -> None:
         """Calls the update off and undoes its transaction: the tiers keep the step they held."""
         self.inbox.cancel(reason)
-        if self.fresh is not None:
-            self.fresh.cancel(reason)
+        self.fresh.cancel(reason)
         self._done.wait()
         self._stream.abort(self.transaction)

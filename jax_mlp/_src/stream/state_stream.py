@@ -293,12 +293,18 @@ class StateStream:
         return self._open
 
     def stream_subgroups(
-        self, transaction: Transaction, blocks: Blocks, moves: Moves, results: Results
+        self,
+        transaction: Transaction,
+        blocks: Blocks,
+        moves: Moves,
+        results: Results,
+        stored: Callable[[int], None] | None = None,
     ) -> tuple[dict[BlockKey, Any], Timings, int]:
         """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
 
         A subgroup's program runs once its blocks are in ``blocks`` (an overlapped update's grads come
         in while it streams); the step is neither committed nor aborted here: :meth:`end` or :meth:`abort`.
+        ``stored(k)``, if given, is called once subgroup k's records are stored.
 
         Returns:
           Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
@@ -328,6 +334,9 @@ class StateStream:
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
         store = self._storer(step + 1, transaction.placement, transaction.cached)
+        if stored is not None:
+            store = _noting(store, stored)
+
         timings = self.engine.pipeline(order, fetch, compute, store, describe)
         return results.result(), timings, compiles_on_this_thread() - compiles
 
@@ -469,6 +478,16 @@ class StateStream:
                     path.remove()
         finally:
             release_paths(self.tiers.paths)
+
+
+def _noting(store: Callable[[int, tuple], None], stored: Callable[[int], None]) -> Callable[[int, tuple], None]:
+    """``store``, then ``stored`` told the subgroup it stored."""
+
+    def store_and_note(index: int, computed: tuple) -> None:
+        store(index, computed)
+        stored(index)
+
+    return store_and_note
 
 
 def _report(on_stats: Callable[[UpdateStats], None] | None, stats: UpdateStats) -> None:

@@ -9,6 +9,7 @@ programs get ordinary (sharded) arrays. The forward reads a few units ahead, the
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,9 +56,13 @@ class UnitReads:
             blocks[key] = jax.device_put(host.reshape(shape), device_of[key])
         return plan.sharding.assemble(plan.plan, blocks, unit.leaves)
 
-    def params(self, unit: Unit, step: int) -> concurrent.futures.Future:
-        """Reads ``unit``'s params at ``step``; the future gives its leaves on the devices."""
-        return self._pool.submit(self.leaves, unit, step, self._stream.fetch_params)
+    def params(self, unit: Unit, step: int, written: Callable[[int], None] | None = None) -> concurrent.futures.Future:
+        """Reads ``unit``'s params at ``step``, each subgroup's once ``written(k)`` returns (if given: an update
+        still writing them); the future gives its leaves on the devices."""
+        fetch = self._stream.fetch_params
+        if written is not None:
+            fetch = functools.partial(_once_written, written, fetch)
+        return self._pool.submit(self.leaves, unit, step, fetch)
 
     def params_and_grads(self, unit: Unit, step: int) -> concurrent.futures.Future:
         """Reads ``unit``'s params at ``step`` and the grads stored for its update to ``step + 1``."""
@@ -70,9 +75,14 @@ class UnitReads:
         self, units: Sequence[Unit], read: Callable[[Unit], concurrent.futures.Future], depth: int | None = None
     ) -> Iterator[Any]:
         """What ``read`` gives each unit, in order, read ``depth`` units ahead of the one computing (by default
-        half the reader threads)."""
+        half the reader threads); the first reads start now."""
         depth = self._depth if depth is None else depth
-        futures = [read(unit) for unit in units[:depth]]
+        return self._in_order(units, read, depth, [read(unit) for unit in units[:depth]])
+
+    @staticmethod
+    def _in_order(
+        units: Sequence[Unit], read: Callable[[Unit], concurrent.futures.Future], depth: int, futures: list
+    ) -> Iterator[Any]:
         for index in range(len(units)):
             if index + depth < len(units):
                 futures.append(read(units[index + depth]))
@@ -82,3 +92,8 @@ class UnitReads:
     def close(self) -> None:
         """Waits for the reads in flight and stops the threads."""
         self._pool.shutdown(wait=True)
+
+
+def _once_written(written: Callable[[int], None], fetch: Callable[[int, int], list], index: int, step: int) -> list:
+    written(index)
+    return fetch(index, step)
