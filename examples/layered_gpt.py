@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if step % args.log_every == 0 or step == args.steps:
                 stats = stream.stats
                 moved = {p: f"{(stats.bytes_read[p] + stats.bytes_written[p]) / 2**20:.0f}MiB" for p in stats.paths}
-                print(f"step {step:4d}  loss {losses[-1]:.3f}  {step_seconds[-1]:.2f} s  moved {moved}")
+                committed = f"step {stats.step} moved" if stats.step else "init wrote"  # a step commits in the next
+                print(f"step {step:4d}  loss {losses[-1]:.3f}  {step_seconds[-1]:.2f} s  {committed} {moved}")
         tokens_per_s = args.batch_size * args.seq_len / float(np.median(step_seconds))
         result = {
             "layers": args.layers,
