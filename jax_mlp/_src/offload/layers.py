@@ -358,9 +358,7 @@ class LayerStream(ClosesOnExit):
         update = None
         scale = None
         try:
-            if (
-                pending is not None
-            ):  # the last step's deferred update, each unit's just before this forward computes with it
+            if pending is not None:  # the last step's deferred update, each unit's just before the forward uses it
                 update = self._new_update(pending.uniform, fresh=self._keys(*units))
                 ahead = self._applied(update, pending.scale, units)
             elif writing is not None:  # the last step's update still writing: its first units as it made them
@@ -430,8 +428,8 @@ class LayerStream(ClosesOnExit):
             step = self._stream.step
             raise OffloadError(
                 f"the update of step {step + 1} failed while writing its records ({error}); the tiers hold step "
-                f"{step}: fix the cause, then continue from step {step} (stream_layers(..., resume=True)) and run "
-                f"step {step + 1} again"
+                f"{step}: fix the cause, then run step {step + 1} again from step {step}'s handle (the one the step "
+                "before it returned) or from stream_layers(..., resume=True)"
             ) from error
         except BaseException:
             writing.update.abort("interrupted")

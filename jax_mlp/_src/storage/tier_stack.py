@@ -250,9 +250,9 @@ class TierStack:
     ) -> list[RecordIO]:
         """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits, else writes them.
 
-        What the cache evicts to make room is written if dirty, and found by :meth:`fetch` until it is. Each record goes to the path
-        ``placement`` gives its subgroup. ``cached``, when given, names the subgroups the cache may
-        keep; any other is written, and its older cached record dropped.
+        What the cache evicts to make room is written if dirty, and found by :meth:`fetch` until it is.
+        Each record goes to the path ``placement`` gives its subgroup. ``cached``, when given, names the
+        subgroups the cache may keep; any other is written, and its older cached record dropped.
 
         Returns:
           The writes this took (none for a cached record that evicted nothing dirty).
