@@ -135,7 +135,7 @@ class LayerStream(ClosesOnExit):
         self._inputs: KeptInputs | None = None  # where the layers' inputs wait, once initialised
         self._writers = concurrent.futures.ThreadPoolExecutor(config.write_depth, thread_name_prefix="jax_mlp-grads")
         self._pending: _Pending | None = None  # the deferred update the next forward runs
-        self._writing: _Writing | None = None  # the update whose writes the next forward finishes
+        self._writing: LayerUpdate | None = None  # the update whose writes the next forward finishes
         self._device = jax.local_devices()[0]
         self._devices: list[jax.Device] = []  # per subgroup, once planned
         self._closed = False
@@ -161,6 +161,12 @@ class LayerStream(ClosesOnExit):
     @property
     def _defers(self) -> bool:
         return self.clipping == "defer"
+
+    @property
+    def _waiting(self) -> bool:
+        """Whether the last step's update waits for the next forward (deferred, or still writing): the handle is
+        then one step ahead of the tiers."""
+        return self._pending is not None or self._writing is not None
 
     # ----------------------------------------------------------------------------- init
 
@@ -346,7 +352,7 @@ class LayerStream(ClosesOnExit):
         stream, plan = self._stream, self._plan
         step = int(state.step)
         pending, writing = self._pending, self._writing
-        stream.check_step(step - (pending is not None or writing is not None))
+        stream.check_step(step - self._waiting)
         micro = split_batch(batch, self.microbatches)
         shared = inputs.check_shared(stream.programs.shared_shapes, state.shared)
         shared_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stream.programs.shared_shapes), shared)
@@ -362,7 +368,7 @@ class LayerStream(ClosesOnExit):
                 update = self._new_update(pending.uniform, fresh=self._keys(*units))
                 ahead = self._applied(update, pending.scale, units)
             elif writing is not None:  # the last step's update still writing: its first units as it made them
-                ahead = self._written(writing.update, units)
+                ahead = self._written(writing, units)
             else:
                 ahead = self._reads.ahead(units, functools.partial(self._reads.params, step=stream.step))
             outer = self._tree(plan.outer, next(ahead))
@@ -379,7 +385,7 @@ class LayerStream(ClosesOnExit):
                 xs = [self._jitted.layer(self._tree(unit, last), x) for x in xs]
                 kept_inputs.wait(kept[-1])  # one layer computing, one dispatched: dispatch runs no further ahead
             if pending is not None:  # the deferred update is whole: commit it
-                self._end(update, None)
+                update.commit()
                 self._pending, update = None, None
             losses, head_grads, gys = [], [], []
             for x, b in zip(xs, micro, strict=True):
@@ -396,9 +402,9 @@ class LayerStream(ClosesOnExit):
                 if self.max_grad_norm is not None and (scale := self._scale(sums)) is not None:
                     update.abort("the clipping fired: the step is redone with the clipped grads")
                     self.rolled_back += 1
-                    update = self._new_update(uniform, fresh=self._keys(*units[:FRESH_UNITS]))
+                    update = self._new_update(uniform, fresh=self._keys(*units[:FRESH_UNITS]), redone=True)
                     self._backward(self._giver(update, scale), micro, kept, head_grads, gys, None)
-                self._writing, update = _Writing(update, scale), None  # its writes run into the next forward
+                self._writing, update = update, None  # its writes run into the next forward
         except BaseException:
             if update is not None:
                 update.abort("the step failed")
@@ -406,25 +412,20 @@ class LayerStream(ClosesOnExit):
                 self._end_writing(writing)
             raise
         loss = losses[0] if len(losses) == 1 else jnp.mean(jnp.stack(losses))
-        waiting = self._pending is not None or self._writing is not None
-        return loss, OffloadState(jnp.asarray(stream.step + waiting, jnp.int32), new_shared)
+        return loss, OffloadState(jnp.asarray(stream.step + self._waiting, jnp.int32), new_shared)
 
-    def _new_update(self, uniform: Uniform, *, fresh: Sequence[tuple] = ()) -> LayerUpdate:
-        return LayerUpdate(self._stream, self._plan.plan, uniform, self._devices, self.config.io_timeout, fresh=fresh)
+    def _new_update(self, uniform: Uniform, *, fresh: Sequence[tuple] = (), redone: bool = False) -> LayerUpdate:
+        timeout = self.config.io_timeout
+        return LayerUpdate(self._stream, self._plan.plan, uniform, self._devices, timeout, fresh=fresh, redone=redone)
 
-    def _end(self, update: LayerUpdate, scale: jax.Array | None) -> None:
-        """Waits for ``update`` and commits its step."""
-        _, timings, compiles = update.finish()
-        self._stream.end(update.transaction, timings, compiles, {"rolled_back": scale is not None})
-
-    def _end_writing(self, writing: _Writing) -> None:
+    def _end_writing(self, writing: LayerUpdate) -> None:
         """Commits the last step's update once its writes are done; if they failed, undoes it and says what the
         tiers hold."""
         self._writing = None
         try:
-            self._end(writing.update, writing.scale)
+            writing.commit()
         except Exception as error:
-            writing.update.abort("its writes failed")
+            writing.abort("its writes failed")
             step = self._stream.step
             raise OffloadError(
                 f"the update of step {step + 1} failed while writing its records ({error}); the tiers hold step "
@@ -432,7 +433,7 @@ class LayerStream(ClosesOnExit):
                 "before it returned) or from stream_layers(..., resume=True)"
             ) from error
         except BaseException:
-            writing.update.abort("interrupted")
+            writing.abort("interrupted")
             raise
 
     def _written(self, update: LayerUpdate, units: Sequence[Unit]) -> Iterator[list]:
@@ -442,8 +443,12 @@ class LayerStream(ClosesOnExit):
         read = functools.partial(self._reads.params, step=step, written=update.wait_stored)
         reads = self._reads.ahead(units[FRESH_UNITS:], read)
         for unit in units[:FRESH_UNITS]:
-            yield self._plan.sharding.assemble(self._plan.plan, update.take_fresh(self._keys(unit)), unit.leaves)
+            yield self._fresh(update, unit)
         yield from reads
+
+    def _fresh(self, update: LayerUpdate, unit: Unit) -> list:
+        """``unit``'s new params as ``update`` made them (waiting for them), assembled with their shardings."""
+        return self._plan.sharding.assemble(self._plan.plan, update.take_fresh(self._keys(unit)), unit.leaves)
 
     def _scale(self, sums: dict[int, jax.Array]) -> jax.Array | None:
         """The global norm the grads are scaled by (as ``clip_by_global_norm`` scales them), or None: no clipping."""
@@ -463,10 +468,10 @@ class LayerStream(ClosesOnExit):
 
         hand_over(units[0])
         for index, unit in enumerate(units):
-            fresh = update.take_fresh(self._keys(unit))
+            fresh = self._fresh(update, unit)
             if index + 1 < len(units):
                 hand_over(units[index + 1])
-            yield self._plan.sharding.assemble(self._plan.plan, fresh, unit.leaves)
+            yield fresh
 
     def _backward(
         self,
@@ -593,7 +598,7 @@ class LayerStream(ClosesOnExit):
             try:
                 for _ in self._applied(update, pending.scale, [plan.outer, *plan.units[:-1]]):
                     pass  # no forward computes with the new params: each unit's go as they come
-                self._end(update, None)
+                update.commit()
             except BaseException:
                 self._pending = pending
                 update.abort("applying the deferred update failed")
@@ -649,7 +654,7 @@ class LayerStream(ClosesOnExit):
         finally:
             self._closed = True
             if self._writing is not None:  # deleted, or a flush that failed: nothing to commit
-                self._writing.update.abort("closed")
+                self._writing.abort("closed")
                 self._writing = None
             self._writers.shutdown(wait=True)
             self._release(delete=delete)
@@ -663,13 +668,6 @@ FRESH_UNITS = 2
 """The units a step's forward takes from the last step's update as it made them, not from their records: the
 outer params and the first layer, the last the update makes and the first the forward needs, so the update's
 writes run on into the forward."""
-
-
-class _Writing(NamedTuple):
-    """An update whose writes run into the next forward: what the clipping scaled its grads by (None: not clipped)."""
-
-    update: LayerUpdate
-    scale: jax.Array | None
 
 
 class _Pending(NamedTuple):

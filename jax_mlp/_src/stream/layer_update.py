@@ -150,7 +150,7 @@ class _GradsView(Mapping):
 class LayerUpdate:
     """One step's update: a transaction of the state stream, streaming on its own thread as grads come in.
 
-    The new params of the blocks ``fresh`` names are also kept for :meth:`take_fresh`, until taken: those the
+    ``redone``: it redoes a step whose clipping fired (its stats say so). The new params of the blocks ``fresh`` names are also kept for :meth:`take_fresh`, until taken: those the
     next forward computes with before their records are written (a deferred update's, every block; the
     first units of the next forward, where the writes run into it). :meth:`wait_stored` tells when a
     subgroup's records are written, so the next forward can read the others.
@@ -165,6 +165,7 @@ class LayerUpdate:
         timeout: float,
         *,
         fresh: Collection[Any] = frozenset(),
+        redone: bool = False,
     ):
         self.inbox = Inbox(timeout)
         self.fresh = Inbox(timeout, "the update did not make the new")
@@ -173,6 +174,7 @@ class LayerUpdate:
             _GradsView(self.inbox), None, list(devices), uniform, Staging(plan, ["device"] * len(plan.leaves))
         )
         self._stream = stream
+        self._notes = {"rolled_back": redone}  # for the stats of its step
         self.transaction: Transaction = stream.begin(cache_state=False)
         self.outcome: Any = None
         self._done = threading.Event()
@@ -231,12 +233,14 @@ class LayerUpdate:
             ) from self.outcome
         raise OffloadError(f"subgroup {index}'s records were not written within io_timeout={self._timeout:g}s")
 
-    def finish(self) -> tuple[Any, Any, int]:
-        """Waits for the stream; raises what it raised (the transaction is then still to be aborted)."""
+    def commit(self) -> None:
+        """Waits for the stream and commits its step; raises what it raised (the transaction is then still to be
+        aborted)."""
         self._done.wait()
         if isinstance(self.outcome, BaseException):
             raise self.outcome
-        return self.outcome
+        _, timings, compiles = self.outcome
+        self._stream.end(self.transaction, timings, compiles, self._notes)
 
     def abort(self, reason: str) -> None:
         """Calls the update off and undoes its transaction: the tiers keep the step they held."""
