@@ -35,6 +35,7 @@ import optax
 import pytest
 
 import jax_mlp
+from jax_mlp._src.storage.record import HEADER_SIZE
 
 # ----------------------------------------------------------------------------- the test tree and its training
 
@@ -58,6 +59,22 @@ STORE_OPTIONS = {
     name: getattr(jax_mlp.OffloadConfig("."), name) for name in ("max_inflight", "node_lock", "store_timeout")
 }
 """``open_path``'s options as a default ``OffloadConfig`` sets them, for tests that open a path as ``mlp_offload`` does."""
+
+
+def store(tiers, subgroup, fields, record_nbytes, step, placement, cached=None) -> list:
+    """``TierStack.stage`` then ``land`` of what it staged, as an update's writer does: the writes it took."""
+    return [tiers.land(u) for u in tiers.stage(subgroup, fields, record_nbytes, step, placement, cached)]
+
+
+def written_by_last_update(tx) -> int:
+    """The bytes the last update's stats count as written, with no host cache (and more than two updates, or
+    the first after init): every record but the last ``write_depth`` of its order, whose writes run on past
+    it, and the last ``write_depth`` of the update before, which ran on into it."""
+    sizes = [HEADER_SIZE + sg.layout.nbytes for sg in tx.plan.subgroups]
+    depth, step = tx.config.write_depth, tx.step
+    ran_on = tx.scheduler.order(step - 2)[-depth:] if step > 1 else []
+    own = tx.scheduler.order(step - 1)[-depth:]
+    return sum(sizes) - sum(sizes[k] for k in own) + sum(sizes[k] for k in ran_on)
 
 
 def fields_of(layout, value: float) -> tuple[list[np.ndarray], list[np.ndarray]]:

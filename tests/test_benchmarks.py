@@ -26,7 +26,7 @@ def test_ablation_benchmark_writes_json_and_png(tmp_path):
             "--state",
             "2MiB",
             "--subgroup-size",
-            "256KiB",
+            "128KiB",
             "--fast",
             "400MB/s",
             "--slow",
@@ -48,7 +48,9 @@ def test_ablation_benchmark_writes_json_and_png(tmp_path):
         "+int8 state",
     ]
     assert all(row["predicted_s"] > 0 and len(row["update_s"]) == 2 for row in rows)
-    assert all(row["in_update_io_bound_s"] > 0 and row["speedup_vs_baseline"] > 0 for row in rows)
+    assert all(row["speedup_vs_baseline"] > 0 for row in rows)
+    # int8 state is small enough here for the cache and the records whose writes run on past the update to hold it
+    assert all((row["in_update_io_bound_s"] > 0) == (row["codec"] != "int8") for row in rows)
     assert all(("ideal_speedup" in row) == (row["codec"] == "none") for row in rows)
     stored = {row["codec"]: row["stored_bytes"] for row in rows}
     assert stored["int8"] < stored["bf16"] < stored["none"]

@@ -233,8 +233,37 @@ def test_a_hung_write_behind_times_out_naming_the_write_back(make_engine):
     try:
         engine.write_behind(lambda key, value: hung.wait(WAIT), 0, None)
         with pytest.raises(
-            OffloadError, match=r"^writing back a cached subgroup did not finish within io_timeout=0\.5s"
+            OffloadError, match=r"^writing back cached subgroup 0 did not finish within io_timeout=0\.5s"
         ):
+            engine.wait_background()
+    finally:
+        hung.set()
+
+
+def test_the_last_run_on_stores_outlive_the_pipeline_and_their_error_names_the_key(make_engine):
+    """``run_on=2``: the pipeline returns with the stores of its last two keys still running, as background
+    work: waited for, their first error raised once, named by ``describe``, and a hang bounded by io_timeout."""
+    engine = make_engine(write_depth=3, io_timeout=0.5)
+    stored, release = [], threading.Event()
+
+    def store(key, value):
+        if key >= 2:
+            assert release.wait(WAIT)
+        if key == 3:
+            raise Failed("store of 3 failed")
+        stored.append(key)
+
+    engine.pipeline(range(4), lambda k: k, lambda k, v: v, store, "key {}".format, run_on=2)
+    assert stored == [0, 1] and not engine.background_done(), "the last two stores run on"
+    release.set()
+    with pytest.raises(Failed, match="store of 3 failed"):
+        engine.wait_background()
+    assert stored == [0, 1, 2] and engine.wait_background() >= 0
+
+    hung = threading.Event()
+    try:
+        engine.pipeline([7], lambda k: k, lambda k, v: v, lambda k, v: hung.wait(WAIT), "key {}".format, run_on=1)
+        with pytest.raises(OffloadError, match=r"^storing key 7 did not finish within io_timeout=0\.5s"):
             engine.wait_background()
     finally:
         hung.set()

@@ -13,7 +13,7 @@ import os
 import optax
 import pytest
 from faults import inject_write_faults
-from helpers import assert_same_bits, fields_of, grads_at, make_params, run_offload, train
+from helpers import assert_same_bits, fields_of, grads_at, make_params, run_offload, store, train
 
 import jax_mlp
 from jax_mlp._src.config import OffloadConfig
@@ -63,7 +63,7 @@ def fill(idle, plan, step, cached=()):
     for sg in plan.subgroups:
         fields = fields_of(sg.layout, step + sg.index / 10)
         if sg.index in cached:
-            idle.tiers.store(sg.index, fields, HEADER_SIZE + sg.layout.nbytes, step, placement)
+            store(idle.tiers, sg.index, fields, HEADER_SIZE + sg.layout.nbytes, step, placement)
         else:
             idle.tiers.write(sg.index, fields, step, placement[sg.index])
 
@@ -120,16 +120,25 @@ def test_without_idle_prefetch_nothing_is_read_ahead(make_idle):
 
 
 def test_idle_prefetch_reads_the_next_updates_first_records_once(paths):
+    """The idle-time reads ahead start with the next update's first records. Those the last update wrote last,
+    whose writes run on past it (its last ``write_depth``, the first of the alternating order), are taken from
+    memory as hits; the next ``prefetch_depth`` are read; the update reads the rest; none is read twice."""
     params = make_params()
-    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, prefetch_depth=3) as tx:
+    with jax_mlp.mlp_offload(
+        optax.adam(1e-2), paths=[paths[0]], subgroup_size=SUBGROUP, prefetch_depth=3, write_depth=2
+    ) as tx:
         state = tx.init(params)
         offloader = tx
-        assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(0)[:3])
-        record_bytes = sum(HEADER_SIZE + sg.layout.nbytes for sg in offloader.plan.subgroups)
-        for step in range(2):
+        assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(0)[:3]), "init's writes all landed"
+        sizes = [HEADER_SIZE + sg.layout.nbytes for sg in offloader.plan.subgroups]
+        assert len(sizes) > 5
+        for step in range(3):
             _, state = tx.update(grads_at(params, step), state, params)
-            assert sum(tx.stats.bytes_read.values()) == record_bytes, "prefetched records are not read again"
-            assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(step + 1)[:3])
+            ran_on = [] if step == 0 else offloader.scheduler.order(step)[:2]
+            assert sorted(ran_on) == sorted(offloader.scheduler.order(step - 1)[-2:] if step else [])
+            assert tx.stats.cache_hits == len(ran_on)
+            assert sum(tx.stats.bytes_read.values()) == sum(sizes) - sum(sizes[k] for k in ran_on)
+            assert sorted(offloader.prefetched) == sorted(offloader.scheduler.order(step + 1)[:5])
 
 
 def test_lazy_flush_writes_cached_records_only_when_asked(paths, monkeypatch):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from faults import inject_write_faults
-from helpers import assert_same_bits, grads_at, make_params, run_offload, train
+from helpers import assert_same_bits, grads_at, make_params, run_offload, store, train
 
 import jax_mlp
 from jax_mlp._src.storage.paths import PathStore
@@ -45,7 +45,7 @@ def test_an_aborted_transaction_forgets_the_unfinished_step_and_the_previous_one
         assert transaction.ahead.keys(), "the reads ahead are handed to the transaction"
         # What the stream did before it failed: step 3 of a subgroup cached, and of another written elsewhere.
         cached, moved = stream.scheduler.order(2)[:2]
-        stream.tiers.store(cached, fields[cached], 1024, 3, transaction.placement)
+        store(stream.tiers, cached, fields[cached], 1024, 3, transaction.placement)
         stream.tiers.write(moved, fields[moved], 3, 1 - locations.paths[moved])
         assert stream.tiers.locations != locations and stream.tiers.cache.holds(cached, 3)
         stream.abort(transaction)
@@ -67,27 +67,44 @@ def test_a_stale_opt_state_is_refused(paths):
             tx.update(grads_at(params, 1), first, params)
 
 
-def test_a_failed_write_loses_nothing_and_the_update_can_be_retried(paths, monkeypatch):
+@pytest.mark.parametrize("when", ["in its update", "after its update returned"])
+def test_a_failed_write_loses_nothing_and_the_update_can_be_retried(paths, monkeypatch, when):
+    """A record's write fails (a full disk) in the update, or after it, among the last ``write_depth`` writes that
+    run on past its return. The error names the path, raised by the update itself or by the next call (here
+    ``flush``); the record stays in memory, written once the disk has room, and training ends bit for bit as
+    a run that never failed, also when resumed from the tiers alone."""
     params = make_params()
-    options = dict(subgroup_size=SUBGROUP, host_cache="20KiB")
+    options = dict(subgroup_size=SUBGROUP, host_cache=0)
     expected = run_offload(optax.adam(1e-2), params, 3, [paths[1]], **options)[0]
 
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], **options) as tx:
         current, state = train(tx, params, tx.init(params), range(1))
-
+        order = stream_of(tx).scheduler.order(1)
+        assert len(order) > 4, "some writes in the update, the last write_depth=4 after it"
+        failing = order[0] if when == "in its update" else order[-1]
         original_write = PathStore.write
 
         def failing_write(self, subgroup, slot, record):
-            if subgroup == 4:
+            if subgroup == failing:
                 raise jax_mlp.PathError(f"path {self.root} is full (no space left on device)")
             return original_write(self, subgroup, slot, record)
 
         monkeypatch.setattr(PathStore, "write", failing_write)
-        with pytest.raises(jax_mlp.PathError, match="is full"):
-            tx.update(grads_at(current, 1), state, current)
+        if when == "in its update":
+            with pytest.raises(jax_mlp.PathError, match=f"path {paths[0]} is full"):
+                tx.update(grads_at(current, 1), state, current)
+            assert tx.step == 1
+        else:
+            current, state = train(tx, current, state, [1])
+            with pytest.raises(jax_mlp.PathError, match=f"path {paths[0]} is full"):
+                tx.flush()
+            assert tx.step == 2 and stream_of(tx).tiers.fetch(failing, 2).read is None, "kept in memory"
         monkeypatch.setattr(PathStore, "write", original_write)
-        current, state = train(tx, current, state, (1, 2))
+        tx.flush()
+        current, state = train(tx, current, state, range(int(tx.step), 3))
     assert_same_bits(current, expected)
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], resume=True, **options) as resumed:
+        assert int(resumed.init(params).step) == 3
 
 
 def test_a_fault_mid_stream_leaves_the_step_the_cache_and_the_locations_as_they_were(paths, monkeypatch):

@@ -12,7 +12,7 @@ import threading
 
 import optax
 import pytest
-from helpers import assert_same_bits, fields_of, grads_at, make_params
+from helpers import assert_same_bits, fields_of, grads_at, make_params, store
 
 import jax_mlp
 from jax_mlp._src.storage.cache import CacheEntry
@@ -32,18 +32,27 @@ def record_size(plan, index=0) -> int:
     return HEADER_SIZE + plan.subgroups[index].layout.nbytes
 
 
-def test_without_cache_each_record_is_read_and_written_once_per_update(paths):
+def test_without_cache_each_record_is_written_once_per_update_and_read_unless_still_in_memory(paths):
+    """With no host cache every record is written once a step. An update's last ``write_depth`` writes run on past
+    it, counted in the next update's stats, and the next update takes those records from memory (the alternating
+    order starts with them): it reads only the others."""
     params = make_params()
-    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=paths[:2], subgroup_size=SUBGROUP, host_cache=0) as tx:
+    with jax_mlp.mlp_offload(
+        optax.adam(1e-2), paths=paths[:2], subgroup_size=SUBGROUP, host_cache=0, write_depth=2
+    ) as tx:
         state = tx.init(params)
         assert sum(tx.stats.bytes_written.values()) == record_bytes(tx)
-        for step in range(2):
+        sizes = [record_size(tx.plan, sg.index) for sg in tx.plan.subgroups]
+        for step in range(3):
             _, state = tx.update(grads_at(params, step), state, params)
-            stats = tx.stats
-            assert stats.cache_hits == 0
-            assert stats.cache_misses == len(tx.plan.subgroups)
-            assert sum(stats.bytes_read.values()) == record_bytes(tx)
-            assert sum(stats.bytes_written.values()) == record_bytes(tx)
+            stats, order = tx.stats, tx.scheduler.order(step)
+            ran_on = order[-2:]  # this update's, counted by the next
+            held = [] if step == 0 else order[:2]  # the last update's, taken from memory
+            assert stats.cache_hits == len(held)
+            assert stats.cache_misses == len(sizes) - len(held)
+            assert sum(stats.bytes_read.values()) == sum(sizes) - sum(sizes[k] for k in held)
+            written = sum(sizes) - sum(sizes[k] for k in ran_on) + sum(sizes[k] for k in held)
+            assert sum(stats.bytes_written.values()) == written
             assert all(v > 0 for v in stats.bytes_read.values()), "both paths are used"
 
 
@@ -52,9 +61,9 @@ def test_a_store_the_cache_holds_writes_nothing_until_its_dirty_record_is_evicte
     size, placement = record_size(plan), (0, 1, 0, 1)
     assert size == 640, "four records of 640 bytes: the cache holds two"
     fields = {k: fields_of(plan.subgroups[k].layout, k + 0.5) for k in range(4)}
-    assert tiers.store(0, fields[0], size, 1, placement) == []
-    assert tiers.store(1, fields[1], size, 1, placement) == []
-    (written,) = tiers.store(2, fields[2], size, 1, placement)  # evicts 0, the least recently used
+    assert store(tiers, 0, fields[0], size, 1, placement) == []
+    assert store(tiers, 1, fields[1], size, 1, placement) == []
+    (written,) = store(tiers, 2, fields[2], size, 1, placement)  # evicts 0, the least recently used
     assert (written.kind, written.path, written.subgroup, written.nbytes) == ("write", 0, 0, size)
     assert written.start <= written.end
     assert tiers.locations.paths == {0: 0}
@@ -68,12 +77,12 @@ def test_a_store_the_cache_holds_writes_nothing_until_its_dirty_record_is_evicte
 def test_a_record_larger_than_the_cache_is_written_at_once_and_a_clean_eviction_writes_nothing(make_tiers):
     tiers, plan = make_tiers(host_cache=640)
     size = record_size(plan)
-    (written,) = tiers.store(3, fields_of(plan.subgroups[3].layout, 3.0), size + 1, 1, (1, 1, 1, 1))
+    (written,) = store(tiers, 3, fields_of(plan.subgroups[3].layout, 3.0), size + 1, 1, (1, 1, 1, 1))
     assert (written.path, written.subgroup) == (1, 3)
-    assert tiers.store(0, fields_of(plan.subgroups[0].layout, 1.0), size, 1, (0, 0, 0, 0)) == []
+    assert store(tiers, 0, fields_of(plan.subgroups[0].layout, 1.0), size, 1, (0, 0, 0, 0)) == []
     tiers.write_back(0, tiers.cache.peek(0), 1)  # written in idle time: now clean
     assert tiers.cache.dirty() == [] and tiers.locations.paths == {3: 1, 0: 1}
-    assert tiers.store(1, fields_of(plan.subgroups[1].layout, 2.0), size, 1, (0, 0, 0, 0)) == [], (
+    assert store(tiers, 1, fields_of(plan.subgroups[1].layout, 2.0), size, 1, (0, 0, 0, 0)) == [], (
         "evicting a clean record writes nothing"
     )
     assert_same_bits(tiers.fetch(0, 1).fields, fields_of(plan.subgroups[0].layout, 1.0))
@@ -114,7 +123,7 @@ def test_a_moved_record_is_dropped_only_once_no_cached_record_is_dirty(make_tier
     layout_hash, size = plan.layout_hash, record_size(plan)
     tiers.write(0, fields_of(plan.subgroups[0].layout, 1.0), 1, 0)
     tiers.write(0, fields_of(plan.subgroups[0].layout, 2.0), 2, 1)
-    tiers.store(1, fields_of(plan.subgroups[1].layout, 2.0), size, 2, (1, 1, 1, 1))  # dirty in the cache
+    store(tiers, 1, fields_of(plan.subgroups[1].layout, 2.0), size, 2, (1, 1, 1, 1))  # dirty in the cache
     tiers.drop_moved()
     assert tiers.paths[0].verified_step(0, 1, layout_hash) == 1, "kept: step 2 is not complete on storage yet"
     tiers.write_back(1, tiers.cache.peek(1), 1)

@@ -50,13 +50,15 @@ def _variant(
     contention: float = 0.8,
     compute_seconds: float = 0.0,
     prefetch_depth: int = 1,
+    write_depth: int = 0,
     write_back: bool = True,
 ) -> tuple[tuple[PathSpeed, ...], dict[str, Any]]:
     """The paths one ablation variant uses and the arguments of :func:`predict` it means.
 
     The baseline uses the first path with no cache; without ``balanced`` the split is equal (a fixed
     ratio, as in the paper) and nothing is prefetched in idle time; with it, the first
-    ``prefetch_depth`` reads of the update are. ``write_back`` is as for :func:`predict`.
+    ``prefetch_depth`` reads of the update are. In every variant the last ``write_depth`` writes run on
+    past the update (the library's engine). ``write_back`` is as for :func:`predict`.
     """
     used = tuple(paths) if variant.multipath else tuple(paths[:1])
     return used, dict(
@@ -70,6 +72,7 @@ def _variant(
         contention=1.0 if variant.node_lock else contention,
         prefetch_records=prefetch_depth if variant.balanced else 0,
         write_back=write_back,
+        run_on=write_depth,
     )
 
 
@@ -79,7 +82,7 @@ def predict_variant(
     """The update of one ablation variant (:func:`predict`), with ``idle_seconds`` between updates.
 
     ``run`` is the run's ``num_records``, ``record_bytes``, ``cache_bytes``, ``processes_per_node``,
-    ``contention``, ``compute_seconds``, ``prefetch_depth`` and ``write_back``.
+    ``contention``, ``compute_seconds``, ``prefetch_depth``, ``write_depth`` and ``write_back``.
     """
     used, options = _variant(variant, paths, **run)
     return predict(used, idle_seconds=idle_seconds, **options)

@@ -119,6 +119,7 @@ def handle(args: argparse.Namespace) -> int:
         contention=args.contention,
         compute_seconds=_update_compute(args, work, link),
         prefetch_depth=work.prefetch_depth,
+        write_depth=work.write_depth,
         write_back=args.flush == "idle",
     )
     variants = [predict_variant(variant, speeds, idle_seconds=idle, **common) for variant in ABLATION]
@@ -148,8 +149,8 @@ def handle(args: argparse.Namespace) -> int:
         f"{work.prefetch_depth}, write_depth {work.write_depth}, flush={args.flush!r}"
     )
     print(
-        f"predicted update time: {plan_tables.format_seconds(full.seconds)}; {format_bytes(full.idle_write_bytes)} written back "
-        f"between updates, {plan_tables.format_seconds(full.idle_io_seconds)} of I/O between updates in all\n"
+        f"predicted update time: {plan_tables.format_seconds(full.seconds)}; {format_bytes(full.idle_write_bytes)} written after "
+        f"it, {plan_tables.format_seconds(full.idle_io_seconds)} of I/O between updates in all\n"
     )
     plan_tables.print_device(args, work, _param_dtype(args))
     plan_tables.print_host(args, work, cache)

@@ -140,13 +140,14 @@ def print_paths(speeds: Sequence[PathSpeed], work: Workload, full: Prediction) -
 
 
 def print_update(args: argparse.Namespace, work: Workload, full: Prediction, link: float) -> None:
-    """Per update: bytes read and written, the write-back between updates, the link floor, the time."""
+    """Per update: bytes read and written during it and after it (the write-back, the writes that run on), the link
+    floor, the time."""
     print(f"per update, one process (x{work.processes_per_node} per node)")
     _row("read during the update", format_bytes(sum(full.bytes_read)))
     _row("written during the update", format_bytes(sum(full.bytes_written)))
-    back = f'flush="{args.flush}": ' + ("between updates" if args.flush == "idle" else "only when evicted")
-    _row("written back from the cache", format_bytes(full.idle_write_bytes), back)
-    _row("I/O between updates", format_seconds(full.idle_io_seconds), "the write-back and the first reads ahead")
+    back = "the cache's write-back, " if args.flush == "idle" else ""
+    _row("written after the update", format_bytes(full.idle_write_bytes), f"{back}its last writes run on")
+    _row("I/O between updates", format_seconds(full.idle_io_seconds), "those writes and the first reads ahead")
     moved = "the state, grads and params in, state and updates out" if work.params_in_host else "the state in and out"
     _row(
         "link floor",

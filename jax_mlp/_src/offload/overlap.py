@@ -253,7 +253,7 @@ class Overlap:
             blocks = Blocks(grads, params, basis.devices, basis.uniform, Staging(self._plan, self._sharding.kinds))
             results = FollowedUpdates(self._plan, arrivals)
             round_.streaming = time.perf_counter()
-            round_.outcome = self._stream.stream_subgroups(round_.transaction, blocks, EAGER, results)
+            round_.outcome = self._stream.stream_subgroups(round_.transaction, blocks, EAGER, results, run_on=True)
         except BaseException as error:
             round_.outcome = error
         finally:

@@ -111,13 +111,21 @@ def starting_speed(path: Path, run_probe: bool) -> PathSpeed:
     return PathSpeed(path.name, read, write, serial)
 
 
-def critical_records(num_records: int, cached_records: int, *, alternate: bool) -> tuple[int, int, int]:
-    """Records read and written during one update, and written back after it (idle time)."""
+def critical_records(
+    num_records: int, cached_records: int, *, alternate: bool, run_on: int = 0, held: bool = False
+) -> tuple[int, int, int]:
+    """Records read and written during one update, and written after it (idle time).
+
+    After it: the cached records' write-back, and the last ``run_on`` records' writes, which run on past
+    the update. With the alternating order those are the next update's first after the cached ones, so
+    with ``held`` (the idle-time reads ahead, which take them from memory) they are not read either.
+    """
     cached = min(cached_records, num_records)
     if cached == num_records:
         return 0, 0, num_records
-    reads = num_records - cached if alternate else num_records
-    return reads, num_records - cached, cached
+    behind = min(run_on, num_records - cached)
+    reads = num_records - cached - (behind if held else 0) if alternate else num_records
+    return reads, num_records - cached - behind, cached + behind
 
 
 def _sharing(processes_per_node: int, contention: float) -> float:
@@ -140,6 +148,7 @@ def predict(
     contention: float = 1.0,
     prefetch_records: int = 0,
     write_back: bool = True,
+    run_on: int = 0,
 ) -> Prediction:
     """Predicts one update's time and traffic.
 
@@ -159,14 +168,17 @@ def predict(
         (``prefetch_depth`` with ``idle_prefetch``): they leave its critical path for the idle time.
       write_back: whether the cached records are written back between updates (``flush="idle"``);
         with ``flush="lazy"`` they are written only when evicted.
+      run_on: the update's last records whose writes run on past it (``write_depth``), into the idle time.
 
     Returns:
       The prediction: time, split, and bytes per path per process.
     """
     shares = tuple(shares) if shares is not None else best_split(paths)
     cached = int(cache_bytes // record_bytes) if record_bytes else 0
-    reads, writes, idle = critical_records(num_records, cached, alternate=alternate)
-    idle = idle if write_back else 0
+    reads, writes, behind = critical_records(
+        num_records, cached, alternate=alternate, run_on=run_on, held=prefetch_records > 0
+    )
+    idle = behind if write_back else behind - min(cached, num_records)
     early = min(reads, prefetch_records)
     factor = _sharing(processes_per_node, contention)
     bytes_read = tuple(s * reads * record_bytes for s in shares)

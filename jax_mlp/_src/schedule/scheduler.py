@@ -130,6 +130,9 @@ class Scheduler:
       order: ``"alternate"`` or ``"ascending"``.
       placement: ``"bandwidth"`` (split by the model, rebalanced) or ``"round_robin"`` (equal, fixed).
       rebalance: whether the split follows measured throughput.
+      run_on: each update's last records whose writes run on past it (``write_depth``; none for a
+        layer-streamed step, which commits its own).
+      held: whether the next update takes those records from memory (the idle-time reads ahead do).
     """
 
     def __init__(
@@ -140,8 +143,11 @@ class Scheduler:
         order: str = "alternate",
         placement: str = "bandwidth",
         rebalance: bool = True,
+        run_on: int = 0,
+        held: bool = False,
     ):
         self.record_bytes = list(record_bytes)
+        self.run_on, self.held = run_on, held
         self.estimates = [PathEstimate(speed) for speed in speeds]
         self.order_kind = order
         self.balanced = placement == "bandwidth"
@@ -202,24 +208,30 @@ class Scheduler:
         In each step's order the records that fit in the cache are the ones the previous step
         updated last: with the alternating order they are its first, served from the cache; with
         the ascending order they are evicted before they are reached. Records evicted during the
-        update (all but the last that fit) are written during it; the rest in the idle time after.
-        With a followed order the cache keeps its last records (:meth:`cached`); the others are read
-        and written every step.
+        update (all but the last that fit) are written during it; the rest in the idle time after,
+        as are the writes of the ``run_on`` records before them, which run on past the update (and,
+        ``held``, the alternating order's next update takes from memory). With a followed order the
+        cache keeps its last records (:meth:`cached`); the others are read every step, and written
+        during it but the last ``run_on``.
         """
         read, write = [0.0] * len(self.record_bytes), [0.0] * len(self.record_bytes)
         kept = self.cached(cache_bytes)
         if kept is not None:
-            for k in set(self._followed) - kept:
-                read[k] = write[k] = float(self.record_bytes[k])
+            written = [k for k in self._followed if k not in kept]
+            for k in written:
+                read[k] = float(self.record_bytes[k])
+            for k in written[: max(0, len(written) - self.run_on)]:
+                write[k] = float(self.record_bytes[k])
             return Loads(read, write)
         for step in (0, 1):
             order = self.order(step)
             cached = _fitting(order, self.record_bytes, cache_bytes)
             if cached == len(order):
                 continue
-            for k in order[cached if self.order_kind == "alternate" else 0 :]:
+            held = self.run_on if self.held else 0
+            for k in order[cached + held if self.order_kind == "alternate" else 0 :]:
                 read[k] += self.record_bytes[k] / 2
-            for k in order[: len(order) - cached]:
+            for k in order[: max(0, len(order) - cached - self.run_on)]:
                 write[k] += self.record_bytes[k] / 2
         return Loads(read, write)
 

@@ -95,6 +95,20 @@ class Fetched(NamedTuple):
     read: RecordIO | None
 
 
+class Unwritten(NamedTuple):
+    """A record :meth:`TierStack.stage` kept in memory for :meth:`TierStack.land` to write.
+
+    Attributes:
+      subgroup: the record's subgroup.
+      entry: its fields and the step they hold.
+      path: the index of the path it goes to.
+    """
+
+    subgroup: int
+    entry: CacheEntry
+    path: int
+
+
 class Locations(NamedTuple):
     """Where each subgroup's newest stored record lives, and the old records that moved subgroups left.
 
@@ -132,7 +146,7 @@ class TierStack:
         self._lock = threading.Lock()
         self._path_of: dict[int, int] = {}  # the path index of each subgroup's newest stored record
         self._moved: list[tuple[int, int]] = []  # (subgroup, old path) of records moves left behind
-        self._evicting: dict[int, CacheEntry] = {}  # dirty entries the cache let go of, until written
+        self._unwritten: dict[int, CacheEntry] = {}  # records staged and not yet written (see stage)
         self._pins: list[Pin] = []
 
     @property
@@ -189,7 +203,7 @@ class TierStack:
         if entry is not None and entry.step == step:
             return Fetched(entry.fields, None)
         with self._lock:
-            entry, index = self._evicting.get(subgroup), self._path_of.get(subgroup)
+            entry, index = self._unwritten.get(subgroup), self._path_of.get(subgroup)
         if entry is not None and entry.step == step:  # on its way to its path
             return Fetched(entry.fields, None)
         if index is None:
@@ -229,9 +243,9 @@ class TierStack:
         (the caller's part) and no cached record is dirty: until then the old path's record may be
         the last complete step. A record still pinned for a reader is kept for a later call.
         """
-        if self.cache.dirty():
-            return
         with self._lock:
+            if self._unwritten or self.cache.dirty():
+                return
             pins = [p for p in self._pins if not p.released]
             kept = [(k, old) for k, old in self._moved if any(pin.keeps(k, old) for pin in pins)]
             dropped = [(k, old) for k, old in self._moved if (k, old) not in kept and self._path_of.get(k) != old]
@@ -239,7 +253,7 @@ class TierStack:
         for subgroup, old in dropped:
             self.paths[old].delete(subgroup)
 
-    def store(
+    def stage(
         self,
         subgroup: int,
         fields: Any,
@@ -247,30 +261,46 @@ class TierStack:
         step: int,
         placement: Sequence[int],
         cached: frozenset[int] | None = None,
-    ) -> list[RecordIO]:
-        """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits, else writes them.
+    ) -> list[Unwritten]:
+        """Keeps ``fields`` in the cache when their record of ``record_nbytes`` fits; returns what must be written.
 
-        What the cache evicts to make room is written if dirty, and found by :meth:`fetch` until it is.
-        Each record goes to the path ``placement`` gives its subgroup. ``cached``, when given, names the
-        subgroups the cache may keep; any other is written, and its older cached record dropped.
-
-        Returns:
-          The writes this took (none for a cached record that evicted nothing dirty).
+        That is the record itself when the cache does not keep it, else the dirty records the cache evicted
+        to make room; :meth:`land` writes each. Until then :meth:`fetch` finds them in memory. Each goes to
+        the path ``placement`` gives its subgroup. ``cached``, when given, names the subgroups the cache may
+        keep; any other is written, and its older cached record dropped.
         """
+        entry = CacheEntry(fields, record_nbytes, step, dirty=True)
         if not self.cache.fits(record_nbytes) or (cached is not None and subgroup not in cached):
             self.cache.drop(subgroup)
-            return [self.write(subgroup, fields, step, placement[subgroup])]
-        entry = CacheEntry(fields, record_nbytes, step, dirty=True)
-        evicted = [(k, old) for k, old in self.cache.put(subgroup, entry) if old.dirty]
-        with self._lock:  # readable until written (a reader beside the update: a layer-streamed forward)
-            self._evicting.update(evicted)
-        try:
-            return [self.write(k, old.fields, old.step, placement[k]) for k, old in evicted]
-        finally:
-            with self._lock:
-                for k, old in evicted:
-                    if self._evicting.get(k) is old:
-                        del self._evicting[k]
+            unwritten = [(subgroup, entry)]
+        else:
+            unwritten = [(k, old) for k, old in self.cache.put(subgroup, entry) if old.dirty]
+        with self._lock:
+            self._unwritten.update(unwritten)
+        return [Unwritten(k, old, placement[k]) for k, old in unwritten]
+
+    def land(self, unwritten: Unwritten) -> RecordIO:
+        """Writes a record :meth:`stage` returned. If the write fails, the record stays in memory, readable,
+        for :meth:`land_left` to write again: the step it belongs to is never lost."""
+        written = self.write(unwritten.subgroup, unwritten.entry.fields, unwritten.entry.step, unwritten.path)
+        with self._lock:
+            if self._unwritten.get(unwritten.subgroup) is unwritten.entry:
+                del self._unwritten[unwritten.subgroup]
+        return written
+
+    def land_left(self, placement: Sequence[int]) -> list[RecordIO]:
+        """Writes the records a failed write left in memory, each to the path ``placement`` gives it now.
+
+        Call it only when no write is in flight (every other unwritten record is then one a write failed on).
+        """
+        with self._lock:
+            left = list(self._unwritten.items())
+        return [self.land(Unwritten(k, entry, placement[k])) for k, entry in left]
+
+    def discard_unwritten(self, step: int) -> None:
+        """Forgets the unwritten records of ``step`` (a failed update's), once none of their writes is in flight."""
+        with self._lock:
+            self._unwritten = {k: e for k, e in self._unwritten.items() if e.step != step}
 
     def write_back(self, subgroup: int, entry: CacheEntry, path: int) -> RecordIO:
         """Writes dirty cached fields to path index ``path`` and marks them clean."""

@@ -41,6 +41,8 @@ def build_stream(
         order=config.order,
         placement=config.placement,
         rebalance=config.rebalance,
+        run_on=0 if param_layouts else config.write_depth,
+        held=config.idle_prefetch,
     )
     tiers = TierStack(
         HostCache(config.host_cache),

@@ -41,7 +41,7 @@ class Engine:
         self.io_timeout = io_timeout
         self._readers = concurrent.futures.ThreadPoolExecutor(prefetch_depth, thread_name_prefix="jax_mlp-read")
         self._writers = concurrent.futures.ThreadPoolExecutor(write_depth, thread_name_prefix="jax_mlp-write")
-        self._background: list[concurrent.futures.Future] = []
+        self._background: list[tuple[str, concurrent.futures.Future]] = []  # (what it does, the work)
 
     def result(self, future: concurrent.futures.Future, what: str) -> Any:
         """The future's result, waiting at most ``io_timeout``; ``what`` names it in the error."""
@@ -67,13 +67,15 @@ class Engine:
         compute: Callable[[int, Any], Any],
         store: Callable[[int, Any], None],
         describe: Callable[[int], str] = "subgroup {}".format,
+        run_on: int = 0,
     ) -> Timings:
         """Runs ``store(k, compute(k, fetch(k)))`` for each ``k`` in ``order``, pipelined.
 
         ``fetch`` runs on reader threads up to ``prefetch_depth`` ahead, ``compute`` on this thread
-        in order, and ``store`` on writer threads with at most ``write_depth`` in flight. All stores
-        have finished when ``pipeline`` returns. ``describe(k)`` names ``k`` (and where it lives) in a
-        timeout's message.
+        in order, and ``store`` on writer threads with at most ``write_depth`` in flight. The stores
+        have finished when ``pipeline`` returns, but for those of the last ``run_on`` keys, which run
+        on as background work (:meth:`wait_background`). ``describe(k)`` names ``k`` (and where it
+        lives) in a timeout's message.
 
         Returns:
           The time spent waiting on reads, computing, and waiting on writes.
@@ -102,11 +104,12 @@ class Engine:
                 compute_time += t2 - t1
                 write_wait += t3 - t2
             t4 = time.perf_counter()
-            self._drain(writes, 0, describe)
+            self._drain(writes, run_on, describe)
             write_wait += time.perf_counter() - t4
         except BaseException:
             self.settle([f for _, f in reads.pending] + [f for _, f in writes])
             raise
+        self._background.extend((f"storing {describe(key)}", future) for key, future in writes)
         return Timings(time.perf_counter() - start, read_wait, compute_time, write_wait)
 
     def _drain(self, writes: collections.deque, keep: int, describe: Callable[[int], str]) -> None:
@@ -121,23 +124,28 @@ class Engine:
 
     def write_behind(self, store: Callable[[int, Any], None], key: int, value: Any) -> None:
         """Runs ``store(key, value)`` on a writer thread after the current pipeline (idle-time writes)."""
-        self._background.append(self._writers.submit(store, key, value))
+        self._background.append((f"writing back cached subgroup {key}", self._writers.submit(store, key, value)))
 
     def background_done(self) -> bool:
         """Whether the background work has finished (its errors are raised by :meth:`wait_background`)."""
-        return all(future.done() for future in self._background)
+        return all(future.done() for _, future in self._background)
 
     def wait_background(self) -> float:
         """Waits for background work; re-raises its first error. Returns the seconds waited."""
         start = time.perf_counter()
         background, self._background = self._background, []
         try:
-            for future in background:
-                self.result(future, "writing back a cached subgroup")
+            for what, future in background:
+                self.result(future, what)
         except BaseException:
-            self.settle(background)
+            self.settle(future for _, future in background)
             raise
         return time.perf_counter() - start
+
+    def settle_background(self) -> None:
+        """Cancels or waits out the background work, ignoring its errors (the step it wrote is given up)."""
+        background, self._background = self._background, []
+        self.settle(future for _, future in background)
 
     def close(self) -> None:
         """Stops the threads; work not yet started is dropped."""

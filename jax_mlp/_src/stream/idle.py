@@ -8,9 +8,11 @@ through the tier stack's ``write_back``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from jax_mlp._src.config import OffloadConfig
@@ -41,13 +43,18 @@ class IdleIO:
     counters: IOCounters
     fetch: Callable[[int, int], Any]
     _ahead: ReadAhead = dataclasses.field(default_factory=ReadAhead, init=False)
+    _taken: frozenset[int] = dataclasses.field(default=frozenset(), init=False)  # of _ahead, from memory
 
-    def after_update(self, step: int) -> None:
-        """Starts the idle-time I/O of the tiers at ``step``: write-back (``flush="idle"``) and read-ahead."""
+    def after_update(self, step: int, in_memory: Mapping[int, Any] = MappingProxyType({})) -> None:
+        """Starts the idle-time I/O of the tiers at ``step``: write-back (``flush="idle"``) and read-ahead.
+
+        ``in_memory`` holds records of ``step`` still on their way to their paths (their fields, by
+        subgroup): the read-ahead takes those it meets from memory, as cache hits, and reads the others.
+        """
         if self.config.flush == "idle":
             self._write_back_dirty()
         if self.config.idle_prefetch:
-            self._read_ahead(step, self.config.prefetch_depth)
+            self._read_ahead(step, self.config.prefetch_depth, in_memory)
 
     def use_window(self, step: int) -> None:
         """A call that only accumulates gradients: the disks stay idle for the next update, so read further ahead.
@@ -66,7 +73,7 @@ class IdleIO:
 
     def take_ahead(self) -> ReadAhead:
         """The reads started so far, handed to the update that starts now."""
-        ahead, self._ahead = self._ahead, ReadAhead()
+        ahead, self._ahead, self._taken = self._ahead, ReadAhead(), frozenset()
         return ahead
 
     @property
@@ -84,16 +91,26 @@ class IdleIO:
         """Cancels or waits out the reads ahead (closing)."""
         self.engine.settle(self._ahead.take_all())
 
-    def _read_ahead(self, step: int, depth: int) -> None:
-        """Starts reading the first ``depth`` uncached records of step ``step``'s order."""
+    def _read_ahead(self, step: int, depth: int, in_memory: Mapping[int, Any] = MappingProxyType({})) -> None:
+        """Starts reading the first ``depth`` uncached records of step ``step``'s order; takes those before the
+        last of them that ``in_memory`` holds from it."""
         started = self._ahead.keys()
+        reads = len(set(started) - self._taken)
         fetch = functools.partial(self.fetch, step=step)
         for index in self.scheduler.order(step):
-            if len(started) >= depth:
+            if reads >= depth:
                 return
-            if index not in started and not self.tiers.cache.holds(index, step):
+            if index in started or self.tiers.cache.holds(index, step):
+                continue
+            if index in in_memory:
+                taken: concurrent.futures.Future = concurrent.futures.Future()
+                taken.set_result(in_memory[index])
+                self._ahead.add(index, taken)
+                self._taken |= {index}
+                self.counters.hit()
+            else:
                 self._ahead.add(index, self.engine.read_ahead(fetch, index))
-                started = (*started, index)
+                reads += 1
 
     def _write_back_dirty(self) -> None:
         """Queues every dirty cached record for writing, each to the path the scheduler gives it now."""

@@ -21,9 +21,11 @@ as data and returns what it moved, which the stream counts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -41,7 +43,7 @@ from jax_mlp._src.stats import IOCounters, UpdateStats, compiles_on_this_thread,
 from jax_mlp._src.storage.capacity import check_capacity
 from jax_mlp._src.storage.paths import release_paths
 from jax_mlp._src.storage.record import HEADER_SIZE, RecordLayout
-from jax_mlp._src.storage.tier_stack import Locations, Pin, TierStack
+from jax_mlp._src.storage.tier_stack import Locations, Pin, RecordIO, TierStack, Unwritten
 from jax_mlp._src.stream.blocks import Blocks, NewParams, Staging, UpdateBlocks
 from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings
 from jax_mlp._src.stream.idle import IdleIO
@@ -109,6 +111,18 @@ class Transaction(NamedTuple):
 Results = UpdateBlocks | NewParams
 
 
+class RunOn(NamedTuple):
+    """The writes of an update's last records, which run on past its return into the next forward pass.
+
+    Attributes:
+      in_memory: the fields of the records they write, by subgroup, for the idle-time reads ahead to take.
+      landed: the writes done, counted (towards the next update) once the next one begins.
+    """
+
+    in_memory: dict[int, Any]
+    landed: list[RecordIO]
+
+
 class StateStream:
     """The offloaded state of one plan, streamed through the devices one transaction at a time.
 
@@ -162,6 +176,7 @@ class StateStream:
         self.transfer = choose(config.transfer, jax.local_devices())
         self._total_compiles = 0
         self._open: Transaction | None = None  # the transaction begun and not yet ended or aborted
+        self._run_on: RunOn | None = None  # the last update's writes still running on
 
     # ----------------------------------------------------------------------------- filling the tiers
 
@@ -252,7 +267,7 @@ class StateStream:
         transaction = self.begin()
         try:
             updates, timings, compiles = self.stream_subgroups(
-                transaction, blocks, moves, results or UpdateBlocks(self.plan)
+                transaction, blocks, moves, results or UpdateBlocks(self.plan), run_on=True
             )
         except BaseException:
             self.abort(transaction)
@@ -284,7 +299,7 @@ class StateStream:
         cache to the params records of a layer-streamed step (whose forward reads them again).
         """
         self._check_closed_transaction("beginning an update")
-        background_wait = self.engine.wait_background()
+        background_wait = self._settle_writes()
         self.tiers.drop_moved()
         placement = tuple(self.scheduler.placement)
         cached = self.scheduler.cached(self.config.host_cache) if cache_state else frozenset()
@@ -299,12 +314,19 @@ class StateStream:
         moves: Moves,
         results: Results,
         stored: Callable[[int], None] | None = None,
+        *,
+        run_on: bool = False,
     ) -> tuple[dict[BlockKey, Any], Timings, int]:
         """Streams every subgroup in this step's order through its device, storing step ``transaction.step + 1``.
 
         A subgroup's program runs once its blocks are in ``blocks`` (an overlapped update's grads come
         in while it streams); the step is neither committed nor aborted here: :meth:`end` or :meth:`abort`.
         ``stored(k)``, if given, is called once subgroup k's records are stored.
+
+        With ``run_on``, the writes of the last ``write_depth`` subgroups run on past the return, so that the
+        next forward pass has the disks' write bandwidth too: their results are brought to the host and
+        staged (cached, or held in memory until written) on this thread, and the idle-time reads ahead take
+        the held ones from memory. The next :meth:`begin`, :meth:`flush` or :meth:`abort` waits for them.
 
         Returns:
           Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
@@ -333,11 +355,31 @@ class StateStream:
 
         compiles = compiles_on_this_thread()
         order = self.scheduler.order(step)
-        store = self._storer(step + 1, transaction.placement, transaction.cached)
-        if stored is not None:
-            store = _noting(store, stored)
+        stage = self._stager(step + 1, transaction.placement, transaction.cached)
+        behind = frozenset(order[max(0, len(order) - self.engine.write_depth) :] if run_on else ())
+        turns = _Turns(order if behind else (), self.config.io_timeout)  # the cache's LRU sees the order
+        self._run_on = running = RunOn({}, [])
 
-        timings = self.engine.pipeline(order, fetch, compute, store, describe)
+        def compute_staging(index: int, fetched: Any) -> Any:
+            computed = compute(index, fetched)
+            if index not in behind:
+                return computed
+            with turns.turn(index):
+                staged = stage(index, computed)
+            running.in_memory.update((u.subgroup, u.entry.fields) for u in staged if u.entry.step == step + 1)
+            return staged
+
+        def store(index: int, value: Any) -> None:
+            if index in behind:
+                self._land(value, running.landed.append)
+            else:
+                with turns.turn(index):
+                    staged = stage(index, value)
+                self._land(staged, self.counters.count)
+            if stored is not None:
+                stored(index)
+
+        timings = self.engine.pipeline(order, fetch, compute_staging, store, describe, len(behind))
         return results.result(), timings, compiles_on_this_thread() - compiles
 
     def _fetch(self, index: int, step: int, *, keep: bool = False) -> Any:
@@ -369,6 +411,9 @@ class StateStream:
     def abort(self, transaction: Transaction) -> None:
         """Step ``transaction.step`` is intact in the other slot: forgets every trace of the unfinished one."""
         self._open = None
+        self.engine.settle_background()  # its writes running on, which a step run again would write beside
+        self._run_on = None
+        self.tiers.discard_unwritten(transaction.step + 1)
         self.tiers.cache.discard_unless_step(transaction.step)
         self.tiers.restore(transaction.locations)
         self.engine.settle(transaction.ahead.take_all())
@@ -379,30 +424,60 @@ class StateStream:
         """Commits the step: stats (with ``notes`` among them), idle-time I/O, and with several processes a barrier."""
         self._open = None
         self.step = transaction.step + 1
-        self._finish(self.step, timings, compiles, transaction.background_wait, notes)
+        in_memory = {} if self._run_on is None else self._run_on.in_memory
+        self._finish(self.step, timings, compiles, transaction.background_wait, notes, in_memory)
         what = f"the end of update step {self.step}"
         peers.barrier(f"{self._peer_key}/update/{self.step}", self.config.peer_timeout, what)
 
-    def _storer(
+    def _stager(
         self, step: int, placement: tuple[int, ...], cached: frozenset[int] | None = None
-    ) -> Callable[[int, tuple], None]:
-        """The writer threads' store for records of ``step``, each to the path ``placement`` gives it; the host
-        cache keeps the state records of ``cached`` (None: any).
+    ) -> Callable[[int, tuple], list[Unwritten]]:
+        """Stages records of ``step`` in the tiers (:meth:`TierStack.stage`), each for the path ``placement`` gives
+        it; the host cache keeps the state records of ``cached`` (None: any). Returns what must be written.
 
         A subgroup's computed ``(state leaves, master leaves)`` go to its state record; a third part, its
         new params (a layer-streamed step), to its params record, which the cache's LRU may keep.
         """
 
-        def store(index: int, computed: tuple) -> None:
+        def stage(index: int, computed: tuple) -> list[Unwritten]:
             fields = tuple(self.transfer.to_host(leaves) for leaves in computed)
             records = [(index, fields[:2], cached)]
             if len(fields) == 3:
                 records.append((len(self.plan.subgroups) + index, (fields[2], []), None))
-            for record, held, keep in records:
-                for written in self.tiers.store(record, held, self.record_bytes[record], step, placement, keep):
-                    self.counters.count(written)
+            return [
+                unwritten
+                for record, held, keep in records
+                for unwritten in self.tiers.stage(record, held, self.record_bytes[record], step, placement, keep)
+            ]
+
+        return stage
+
+    def _land(self, staged: list[Unwritten], count: Callable[[RecordIO], None]) -> None:
+        """Writes what :meth:`_stager` staged, handing each write to ``count``."""
+        for unwritten in staged:
+            count(self.tiers.land(unwritten))
+
+    def _storer(
+        self, step: int, placement: tuple[int, ...], cached: frozenset[int] | None = None
+    ) -> Callable[[int, tuple], None]:
+        """The writer threads' store for records of ``step``: :meth:`_stager`'s staging, then its writes, counted."""
+        stage = self._stager(step, placement, cached)
+
+        def store(index: int, computed: tuple) -> None:
+            self._land(stage(index, computed), self.counters.count)
 
         return store
+
+    def _settle_writes(self) -> float:
+        """Waits for the last update's writes that ran on and the idle-time write-back, counts the first, then
+        writes again what a failed write left in memory. Returns the seconds waited."""
+        waited = self.engine.wait_background()
+        run_on, self._run_on = self._run_on, None
+        for written in () if run_on is None else run_on.landed:
+            self.counters.count(written)
+        for written in self.tiers.land_left(self.scheduler.placement):
+            self.counters.count(written)
+        return waited
 
     # ----------------------------------------------------------------------------- between updates
 
@@ -413,10 +488,12 @@ class StateStream:
         compiles: int,
         extra_wait: float = 0.0,
         notes: Mapping[str, Any] = MappingProxyType({}),
+        in_memory: Mapping[int, Any] = MappingProxyType({}),
     ) -> None:
         """Closes a step's accounting, then starts the idle-time I/O that overlaps the user's next forward pass.
 
-        ``notes`` are further fields of its stats (those of the optimizer check, for an init).
+        ``notes`` are further fields of its stats (those of the optimizer check, for an init); ``in_memory``
+        the records of ``step`` whose writes run on, by subgroup (their fields), which the reads ahead take.
         """
         ended = time.perf_counter()
         self._total_compiles += compiles
@@ -439,7 +516,7 @@ class StateStream:
         )
         self.last_stats = stats._replace(transfer=self.transfer.name, **notes)
         self.counters.reset()  # idle-time I/O started below counts towards the next update
-        self.idle.after_update(step)
+        self.idle.after_update(step, in_memory)
         _report(self._on_stats, self.last_stats)
 
     @property
@@ -460,6 +537,7 @@ class StateStream:
     def flush(self) -> None:
         """Writes every dirty cached record to storage, so the tiers alone hold the newest step."""
         self._check_closed_transaction("flushing")
+        self._settle_writes()
         self.idle.flush()
 
     def pin(self) -> Pin:
@@ -471,6 +549,7 @@ class StateStream:
         """Stops the threads, empties the cache, if ``delete`` removes the files (no flush), and lets go of the paths."""
         try:
             self.idle.settle()
+            self.engine.settle_background()
             self.engine.close()
             self.tiers.cache.clear()
             if delete:
@@ -480,14 +559,39 @@ class StateStream:
             release_paths(self.tiers.paths)
 
 
-def _noting(store: Callable[[int, tuple], None], stored: Callable[[int], None]) -> Callable[[int, tuple], None]:
-    """``store``, then ``stored`` told the subgroup it stored."""
+class _Turns:
+    """Lets blocks keyed by ``order`` run one at a time in that order, each waiting (at most ``timeout``) for
+    the one before it; keys not in ``order`` do not wait.
 
-    def store_and_note(index: int, computed: tuple) -> None:
-        store(index, computed)
-        stored(index)
+    An update stages its records so: what the cache keeps, evicts and holds for writing then follows the
+    update's order, not the writer threads' timing, and the records whose writes run on are the same in
+    every run.
+    """
 
-    return store_and_note
+    def __init__(self, order: Sequence[int], timeout: float):
+        self._position = {key: i for i, key in enumerate(order)}
+        self._timeout = timeout
+        self._done = 0
+        self._condition = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, key: int) -> Iterator[None]:
+        position = self._position.get(key)
+        if position is None:
+            yield
+            return
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._done >= position, self._timeout):
+                raise OffloadError(
+                    f"subgroup {key} waited {self._timeout:g}s for the subgroup before it to be stored; "
+                    "the storage path may be hung: check its device or mount, or raise io_timeout"
+                )
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._done = max(self._done, position + 1)
+                self._condition.notify_all()
 
 
 def _report(on_stats: Callable[[UpdateStats], None] | None, stats: UpdateStats) -> None:
