@@ -13,6 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+RECORD_HEADER = 64
+"""Bytes of a record before its payload (docs/concepts.md): a cache holds whole records, and a step moves them."""
+
 
 def parse_with_smoke(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None, smoke: dict[str, Any]

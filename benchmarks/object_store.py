@@ -8,8 +8,11 @@ For each server (moto's S3 server and fake-gcs-server, started here on 127.0.0.1
    bytes in records of its size, written, read, and read while writing as many, every record in
    flight (tensorstore's own request limit, 32, bounds the requests); one probe before every update,
    so the server is measured under the same conditions;
-2. the time of ``mlp_offload(optax.adam, host_cache=0)`` updates on that store alone, default options;
-3. the I/O bound of each update, ``bytes_read / raw_read + bytes_written / raw_write``, and the bound
+2. the time of ``mlp_offload(optax.adam, host_cache=0, idle_prefetch=False)`` updates on that store
+   alone, each followed by ``flush()``: an update's last ``write_depth`` writes run on past it, and the
+   flush waits for them, so the time covers every record of the step read and written once;
+3. the I/O bound of each update, ``bytes_read / raw_read + bytes_written / raw_write`` (every record,
+   header included, each way), and the bound
    from reading and writing at once, ``max(r, w) + serial * min(r, w)`` of those two times with the
    probe's ``serial`` (docs/scheduling.md); and the ratio of the update to each;
 4. an outage: a small offload with the default ``store_timeout``, the server killed between two
@@ -38,7 +41,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-from common import jax_mlp_json, parse_with_smoke, print_and_save
+from common import RECORD_HEADER, jax_mlp_json, parse_with_smoke, print_and_save
 
 import jax_mlp
 
@@ -81,9 +84,11 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
     options = {} if args.subgroup_size is None else {"subgroup_size": args.subgroup_size}
     config = jax_mlp.OffloadConfig(paths=[spec], **options)
     params = make_params(jax_mlp.parse_size(args.state), config.subgroup_size)
-    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[jax_mlp.Path({**spec, "path": spec["path"] + "run/"})], **options)
+    path = jax_mlp.Path({**spec, "path": spec["path"] + "run/"})
+    tx = jax_mlp.mlp_offload(optax.adam(1e-3), paths=[path], host_cache=0, idle_prefetch=False, **options)
     state = tx.init(params)
     records = [sg.layout.nbytes for sg in tx.plan.subgroups]
+    moved = sum(RECORD_HEADER + nbytes for nbytes in records)  # each way, once per update
     rows = []
     for step in range(args.updates + 1):
         raw = raw_round(spec, records)
@@ -91,9 +96,10 @@ def measure(name: str, spec: dict, args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         updates, state = tx.update(grads, state, params)
         jax.block_until_ready(updates)
+        tx.flush()
         seconds = time.perf_counter() - start
         stats = tx.stats
-        read, written = sum(stats.bytes_read.values()), sum(stats.bytes_written.values())
+        read, written = moved, moved
         read_s, write_s = read / raw["read_bandwidth"], written / raw["write_bandwidth"]
         bound = read_s + write_s
         both = max(read_s, write_s) + raw["serial"] * min(read_s, write_s)
@@ -165,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "what": "one offloaded adam update on an object store (host_cache=0, default options) against the raw "
-        "throughput of the same store for the same records, measured before each update in the same run",
+        "what": "one offloaded adam update and its flush on an object store (host_cache=0, idle_prefetch=False) "
+        "against the raw throughput of the same store for the same records, measured before each update in the same run",
         "state": args.state,
         "servers": [],
     }

@@ -1,6 +1,7 @@
 """The step with the update overlapped with the backward pass, against the split step, in one run.
 
-A real model (tanh layers of ``--width``, adam over ``--state`` of fp32 state) trains on one path:
+A real model (tanh layers of ``--width``, adam over ``--state`` of fp32 state) trains on one path, as
+users write it: the layers a dict ``l0``, ``l1``, ... and ``optax.chain(clip_by_global_norm, mlp_offload(adam))``:
 a device throttled by the kernel (``--devices real``: a loop-backed ext4 under a blkio cgroup, each
 direction apart; needs root) or the library's own caps (``--devices emulated``). ``D`` is the disk
 time of what a step must move (read ``S - C``, write ``S``), both directions at once as far as the
@@ -15,7 +16,7 @@ the figures are each run's median step, against ``max(F, D)`` plus the in-memory
 that compute). The peak RSS of both is sampled in the same run. Default options otherwise (host cache
 ``--cache-fraction`` of the state). Only the public face is used.
 
-Writes ``overlap_<devices>.json`` into ``--out``.
+Writes ``overlap_<devices>_<layers>x<width>.json`` into ``--out``.
 
     sudo python benchmarks/overlap.py --devices real --out benchmarks/results
     python benchmarks/overlap.py --devices emulated --out benchmarks/results
@@ -39,12 +40,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import psutil
-from common import jax_mlp_json, parse_with_smoke, print_and_save
+from common import RECORD_HEADER, jax_mlp_json, parse_with_smoke, print_and_save
 
 import jax_mlp
 
-RECORD_HEADER = 64
-"""Bytes of a record before its payload (docs/concepts.md): a cache holds whole records."""
+CLIP = 1e9
+"""The chain's ``clip_by_global_norm``: far above these grads' norm."""
 SMOKE = {"state": "8MiB", "width": 256, "runs": 1, "steps": 3, "factors": [1.0], "devices": "emulated"}
 
 
@@ -94,9 +95,9 @@ def disk_seconds(speed: dict, read_bytes: float, write_bytes: float) -> float:
     return max(read, write) + speed["serial"] * min(read, write)
 
 
-def predicted_steps(speed: dict, params: list, records: int, cache: int, forward_backward: float, compute: float):
+def predicted_steps(speed: dict, params: dict, records: int, cache: int, forward_backward: float, compute: float):
     """The step split and overlapped, as ``jax-mlp plan --json`` predicts it for this run (``step``)."""
-    count = sum(x.size for x in params)
+    count = sum(x.size for x in jax.tree.leaves(params))
     rates = f"disk={speed['read_bandwidth']:.0f}B/s:{speed['write_bandwidth']:.0f}B/s"
     run = ["--paths", rates + (":duplex" if speed["serial"] < 0.5 else ""), "--params", str(count)]
     run += ["--subgroup-size", str(-(-8 * count // records)), "--host-cache", str(cache)]  # the plan's records
@@ -110,22 +111,22 @@ def layers_for(args: argparse.Namespace) -> int:
     return max(2, round(jax_mlp.parse_size(args.state) / 8 / args.width**2))
 
 
-def make_params(layers: int, width: int) -> list:
-    """The layers' weights, a list: its leaves are in the layers' order, so subgroups hold neighbouring layers."""
+def make_params(layers: int, width: int) -> dict:
+    """The layers' weights as users name them: a dict of ``l0``, ``l1``, ... (its leaves sort as strings)."""
     keys = jax.random.split(jax.random.PRNGKey(0), layers)
-    return [jax.random.normal(k, (width, width)) / math.sqrt(width) for k in keys]
+    return {f"l{i}": jax.random.normal(k, (width, width)) / math.sqrt(width) for i, k in enumerate(keys)}
 
 
-def loss(params: list, x: jax.Array) -> jax.Array:
-    for w in params:
-        x = jnp.tanh(x @ w)
+def loss(params: dict, x: jax.Array) -> jax.Array:
+    for i in range(len(params)):
+        x = jnp.tanh(x @ params[f"l{i}"])
     return jnp.mean(x**2)
 
 
-def forward_backward_seconds(params: list, rows: int) -> float:
+def forward_backward_seconds(params: dict, rows: int) -> float:
     """The median time of a jitted forward and backward with a batch of ``rows``."""
     grad = jax.jit(jax.grad(loss))
-    x = jnp.ones((rows, params[0].shape[0]))
+    x = jnp.ones((rows, params["l0"].shape[0]))
     jax.block_until_ready(grad(params, x))
     times = []
     for _ in range(3):
@@ -135,7 +136,7 @@ def forward_backward_seconds(params: list, rows: int) -> float:
     return statistics.median(times)
 
 
-def rows_for(params: list, target: float) -> int:
+def rows_for(params: dict, target: float) -> int:
     """The batch whose forward and backward take about ``target`` seconds (linear in the rows)."""
     per_row = forward_backward_seconds(params, 256) / 256
     return max(8, round(target / per_row))
@@ -162,22 +163,26 @@ class PeakRss:
         self._thread.join()
 
 
-def train(path: jax_mlp.Path, root: str, params: list, rows: int, steps: int, cache: int, overlapped: bool) -> dict:
-    """``steps`` steps on a fresh run directory; each step's wall time, and the update's stats."""
+def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, cache: int, overlapped: bool) -> dict:
+    """``steps`` steps on a fresh run directory; each step's wall time, and the update's stats.
+
+    As users write it: the clipping in the chain (a global norm it never reaches, so no step rolls back).
+    """
     location = os.path.join(path.location, root)
     offload = jax_mlp.mlp_offload(
         optax.adam(1e-3),
         paths=[jax_mlp.Path(location, max_read=path.max_read, max_write=path.max_write)],
         host_cache=cache,
     )
+    tx = optax.chain(optax.clip_by_global_norm(CLIP), offload)
     grads_of = jax.jit(jax.grad(lambda p, x: loss(offload.overlap(p) if overlapped else p, x)))
-    x = jnp.ones((rows, params[0].shape[0]))
+    x = jnp.ones((rows, params["l0"].shape[0]))
     seconds, stats = [], []
     with offload, PeakRss() as rss:
-        state = offload.init(params)
+        state = tx.init(params)
         for _ in range(steps):
             start = time.perf_counter()
-            updates, state = offload.update(grads_of(params, x), state, params)
+            updates, state = tx.update(grads_of(params, x), state, params)
             params = jax.block_until_ready(optax.apply_updates(params, updates))
             seconds.append(time.perf_counter() - start)
             stats.append(offload.stats)
@@ -192,7 +197,7 @@ def train(path: jax_mlp.Path, root: str, params: list, rows: int, steps: int, ca
     }
 
 
-def in_memory_update_seconds(params: list) -> float:
+def in_memory_update_seconds(params: dict) -> float:
     """The compute of one plain optax adam update of ``params``, jitted, in memory."""
     tx = optax.adam(1e-3)
     update = jax.jit(tx.update)
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print_and_save(result, out / f"overlap_{args.devices}.json")
+    print_and_save(result, out / f"overlap_{args.devices}_{layers}x{args.width}.json")
     return result
 
 
