@@ -51,6 +51,27 @@ def test_critical_records_of_each_order():
     assert model.critical_records(10, 3, alternate=True) == (7, 7, 3)
     assert model.critical_records(10, 3, alternate=False) == (10, 7, 3)
     assert model.critical_records(10, 12, alternate=True) == (0, 0, 10)
+    # The last 4 writes run on past the update; the next takes those records from memory (held), or reads them.
+    assert model.critical_records(10, 3, alternate=True, run_on=4, held=True) == (3, 3, 7)
+    assert model.critical_records(10, 3, alternate=True, run_on=4) == (7, 3, 7)
+    assert model.critical_records(10, 3, alternate=False, run_on=4, held=True) == (10, 3, 7)
+    assert model.critical_records(10, 8, alternate=True, run_on=4, held=True) == (0, 0, 10)
+
+
+def test_the_loads_the_placement_balances_leave_out_what_runs_on_or_comes_from_memory():
+    """Per record, over the two steps of the alternating order: a 2-record cache, the last 3 writes run on and
+    their records taken from memory by the next update; with a followed order, the last 3 uncached records'
+    writes run on but are read (the next update reads them last, from their paths)."""
+    speeds = [PathSpeed("a", 1e8, 1e8)]
+    scheduler = Scheduler([100] * 10, speeds, run_on=3, held=True)
+    loads = scheduler.loads(200)
+    assert sum(loads.read) == sum(loads.write) == 5 * 100  # 10 - 2 cached - 3 run on, each step
+    before = Scheduler([100] * 10, speeds).loads(200)
+    assert sum(before.read) == sum(before.write) == 8 * 100, "without: all but the 2 cached, each step"
+    scheduler.follow(range(9, -1, -1))
+    loads = scheduler.loads(200)
+    assert [k for k, r in enumerate(loads.read) if r] == [2, 3, 4, 5, 6, 7, 8, 9], "all but the cached 1 and 0"
+    assert [k for k, w in enumerate(loads.write) if w] == [5, 6, 7, 8, 9], "and written during it but 4, 3, 2"
 
 
 def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():

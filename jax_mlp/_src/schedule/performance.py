@@ -51,7 +51,11 @@ class PathSpeed(NamedTuple):
         """Busy time to read ``read_bytes`` and write ``write_bytes`` after idle time, both directions started together."""
         read = max(0.0, read_bytes - self.read_burst) / self.read_bandwidth
         write = max(0.0, write_bytes - self.write_burst) / self.write_bandwidth
-        return max(read, write) + self.serial * min(read, write)
+        return self.both_ways(read, write)
+
+    def both_ways(self, read_seconds: float, write_seconds: float) -> float:
+        """Busy time to read for ``read_seconds`` and write for ``write_seconds`` at once, as ``serial`` allows."""
+        return max(read_seconds, write_seconds) + self.serial * min(read_seconds, write_seconds)
 
     @property
     def seconds_per_byte(self) -> float:
@@ -188,7 +192,7 @@ def predict(
         for p, s, w in zip(paths, shares, bytes_written, strict=True)
     )
     idle_seconds_needed = max(
-        factor * s * record_bytes * (idle / p.write_bandwidth + early / p.read_bandwidth)
+        factor * p.both_ways(s * record_bytes * early / p.read_bandwidth, s * record_bytes * idle / p.write_bandwidth)
         for p, s in zip(paths, shares, strict=True)
     )
     used = [p for p, s in zip(paths, shares, strict=True) if s > 0]
