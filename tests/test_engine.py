@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from jax_mlp._src.errors import OffloadError
-from jax_mlp._src.stream.engine import Engine, ReadAhead
+from jax_mlp._src.stream.engine import Engine, ReadAhead, Turns
 
 WAIT = 30.0
 """Seconds a test waits for another thread before it gives up: a bound on a hang, never a measure."""
@@ -267,6 +267,26 @@ def test_the_last_run_on_stores_outlive_the_pipeline_and_their_error_names_the_k
             engine.wait_background()
     finally:
         hung.set()
+
+
+def test_turns_run_in_their_order_whatever_thread_comes_first_and_a_missing_one_times_out():
+    turns, ran = Turns([2, 0, 1], timeout=WAIT), []
+
+    def take(key):
+        with turns.turn(key):
+            ran.append(key)
+
+    threads = [threading.Thread(target=take, args=(key,)) for key in (1, 0, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert ran == [2, 0, 1]
+    with turns.turn(7):  # not in the order: no wait
+        pass
+    hung = r"^staging subgroup 1 after the one before it did not finish within io_timeout=0\.2s"
+    with pytest.raises(OffloadError, match=hung), Turns([0, 1], timeout=0.2).turn(1):
+        pass
 
 
 def test_reads_ahead_are_held_by_key_and_each_is_taken_once(make_engine):

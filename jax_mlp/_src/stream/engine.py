@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from jax_mlp._src.errors import OffloadError
@@ -48,10 +49,7 @@ class Engine:
         try:
             return future.result(timeout=self.io_timeout)
         except concurrent.futures.TimeoutError:
-            raise OffloadError(
-                f"{what} did not finish within io_timeout={self.io_timeout:g}s; the storage path may be hung: "
-                "check its device or mount, or raise io_timeout for a slow path"
-            ) from None
+            raise _hung(what, self.io_timeout) from None
 
     def settle(self, futures: Iterable[concurrent.futures.Future]) -> None:
         """Cancels what has not started and waits (bounded) for the rest, ignoring their errors."""
@@ -206,3 +204,43 @@ class ReadAhead:
         with self._lock:
             futures, self._futures = list(self._futures.values()), {}
             return futures
+
+
+class Turns:
+    """Lets blocks keyed by ``order`` run one at a time in that order, each waiting (at most ``timeout``) for
+    the one before it; keys not in ``order`` do not wait.
+
+    An update stages its records so: what the cache keeps, evicts and holds for writing then follows the
+    update's order, not the writer threads' timing, and the records whose writes run on are the same in
+    every run.
+    """
+
+    def __init__(self, order: Sequence[int], timeout: float):
+        self._position = {key: i for i, key in enumerate(order)}
+        self._timeout = timeout
+        self._done = 0
+        self._condition = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, key: int) -> Iterator[None]:
+        position = self._position.get(key)
+        if position is None:
+            yield
+            return
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._done >= position, self._timeout):
+                raise _hung(f"staging subgroup {key} after the one before it", self._timeout)
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._done = max(self._done, position + 1)
+                self._condition.notify_all()
+
+
+def _hung(what: str, timeout: float) -> OffloadError:
+    """The error of a wait that outlasted ``io_timeout``; ``what`` names what was waited for."""
+    return OffloadError(
+        f"{what} did not finish within io_timeout={timeout:g}s; the storage path may be hung: "
+        "check its device or mount, or raise io_timeout for a slow path"
+    )

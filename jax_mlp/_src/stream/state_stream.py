@@ -21,11 +21,9 @@ as data and returns what it moved, which the stream counts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -45,7 +43,7 @@ from jax_mlp._src.storage.paths import release_paths
 from jax_mlp._src.storage.record import HEADER_SIZE, RecordLayout
 from jax_mlp._src.storage.tier_stack import Locations, Pin, RecordIO, TierStack, Unwritten
 from jax_mlp._src.stream.blocks import Blocks, NewParams, Staging, UpdateBlocks
-from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings
+from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings, Turns
 from jax_mlp._src.stream.idle import IdleIO
 from jax_mlp._src.stream.transfer import choose
 
@@ -357,7 +355,7 @@ class StateStream:
         order = self.scheduler.order(step)
         stage = self._stager(step + 1, transaction.placement, transaction.cached)
         behind = frozenset(order[max(0, len(order) - self.engine.write_depth) :] if run_on else ())
-        turns = _Turns(order if behind else (), self.config.io_timeout)  # the cache's LRU sees the order
+        turns = Turns(order if behind else (), self.config.io_timeout)  # the cache's LRU sees the order
         self._run_on = running = RunOn({}, [])
 
         def compute_staging(index: int, fetched: Any) -> Any:
@@ -557,41 +555,6 @@ class StateStream:
                     path.remove()
         finally:
             release_paths(self.tiers.paths)
-
-
-class _Turns:
-    """Lets blocks keyed by ``order`` run one at a time in that order, each waiting (at most ``timeout``) for
-    the one before it; keys not in ``order`` do not wait.
-
-    An update stages its records so: what the cache keeps, evicts and holds for writing then follows the
-    update's order, not the writer threads' timing, and the records whose writes run on are the same in
-    every run.
-    """
-
-    def __init__(self, order: Sequence[int], timeout: float):
-        self._position = {key: i for i, key in enumerate(order)}
-        self._timeout = timeout
-        self._done = 0
-        self._condition = threading.Condition()
-
-    @contextlib.contextmanager
-    def turn(self, key: int) -> Iterator[None]:
-        position = self._position.get(key)
-        if position is None:
-            yield
-            return
-        with self._condition:
-            if not self._condition.wait_for(lambda: self._done >= position, self._timeout):
-                raise OffloadError(
-                    f"subgroup {key} waited {self._timeout:g}s for the subgroup before it to be stored; "
-                    "the storage path may be hung: check its device or mount, or raise io_timeout"
-                )
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._done = max(self._done, position + 1)
-                self._condition.notify_all()
 
 
 def _report(on_stats: Callable[[UpdateStats], None] | None, stats: UpdateStats) -> None:
