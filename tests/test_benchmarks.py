@@ -206,3 +206,18 @@ def test_update_path_lists_the_modules_one_update_enters_and_nothing_outside_its
     ):
         assert os.path.join("_src", hop) in modules, (hop, modules)
     assert not [m for m in modules if m.startswith((os.path.join("_src", "cli"), os.path.join("_src", "checkpoint")))]
+
+
+def test_two_paths_benchmark_runs_every_route_against_the_write_bound(tmp_path):
+    result = load_module(ROOT / "benchmarks" / "two_paths.py").main(["--smoke", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "two_paths_emulated.json").read_text()) == json.loads(json.dumps(result))
+    (run,) = result["pairs"]["100MB/s"]
+    routes = run["routes"]
+    assert [len(routes[name]["step_s"]) for name in ("fast_alone", "two_paths", "overlapped", "timed")] == [3, 3, 3, 12]
+    assert all(route["rolled_back"] == 0 for route in routes.values())
+    assert sum(routes["overlapped"]["overlapped"]) > 0 and sum(routes["two_paths"]["overlapped"]) == 0
+    assert sum(routes["timed"]["overlapped"][5:9]) == 0  # the trial's split steps
+    assert len(routes["fast_alone"]["placement"][-1]) == 1 and len(routes["two_paths"]["placement"][-1]) == 2
+    state = routes["two_paths"]["state_bytes"]
+    assert run["write_bound_s"] == state / sum(run["write_rates"].values()) > 0
+    assert run["two_paths_over_fast_alone"] > 0 and result["worst_timed_over_split_step"] > 0

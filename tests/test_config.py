@@ -30,6 +30,7 @@ LITERALS = {
     "placement": config.Placement,
     "transfer": config.TransferChoice,
     "master_storage": config.MasterStorage,
+    "overlap_mode": config.OverlapMode,
 }
 
 

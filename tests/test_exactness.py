@@ -56,6 +56,27 @@ def test_same_math_as_optax_and_bits_independent_of_tiering(name, paths):
         assert_close_to_optax(reference, run_optax(inner, params, STEPS, jit=jit), what=f"jit={jit}")
 
 
+@pytest.mark.parametrize("master", [False, True])
+def test_layers_packed_in_the_order_users_number_them_do_the_same_math(master, paths):
+    # Twelve layers l0..l11 (one cut into row chunks): the natural order packs l9, l10 and l11 together, which
+    # the flattened tree orders l10, l11, l9; each subgroup's view and record must still match its leaves.
+    shapes = {f"l{i}": {"w": (8 + i, 12), "b": (12,)} for i in range(12)} | {"l10": {"w": (96, 12), "b": (12,)}}
+    dtype = jnp.bfloat16 if master else jnp.float32
+    params, inner = make_params(shapes, dtype=dtype), OPTIMIZERS["adamw_mask"]()
+    options = {"subgroup_size": "3KiB", "master_dtype": jnp.float32 if master else None}
+    plan = partition.make_plan(params, inner, jax_mlp.parse_size("3KiB"), options["master_dtype"])
+    tree = partition.make_plan(params, inner, jax_mlp.parse_size("3KiB"), options["master_dtype"], leaf_order="tree")
+    assert [sg.pieces for sg in plan.subgroups] != [sg.pieces for sg in tree.subgroups]
+    assert any(p.rows is not None for sg in plan.subgroups for p in sg.pieces)
+    offloaded = run_offload(inner, params, STEPS, [paths[0]], host_cache="4KiB", **options)[0]
+    assert_same_bits(offloaded, run_offload(inner, params, STEPS, [paths[1]], reopen_at=4, **options)[0])
+    for jit in (False, True):
+        if master:
+            assert_bf16_within_ulp(offloaded, _master_scheme(inner, params, jit=jit), f"jit={jit}")
+        else:
+            assert_close_to_optax(offloaded, run_optax(inner, params, STEPS, jit=jit), what=f"jit={jit}")
+
+
 def test_low_precision_state_within_looser_bound(paths):
     inner = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
     params = make_params()
@@ -84,21 +105,25 @@ def test_a_skipped_subgroup_is_far_above_the_bound(paths):
     assert max(deviations.values()) > 100 * EXACT_BOUND, deviations
 
 
-def test_bf16_params_with_fp32_master(paths):
-    """bf16 params, fp32 master in the tiers: within one bf16 ulp of the same scheme in memory."""
-    inner = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
-    params = make_params(dtype=jnp.bfloat16)
-
+def _master_scheme(inner, params, *, jit: bool):
+    """bf16 ``params`` trained in memory with fp32 masters, for ``STEPS`` steps: the scheme offloaded masters run."""
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     state = inner.init(master)
-    update = jax.jit(inner.update)
+    update = jax.jit(inner.update) if jit else inner.update
     for step in range(STEPS):
         grads = jax.tree.map(
             lambda g: g.astype(jnp.float32), grads_at(jax.tree.map(lambda m: m.astype(jnp.bfloat16), master), step)
         )
         updates, state = update(grads, state, master)
         master = optax.apply_updates(master, updates)
-    expected = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+    return jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+
+
+def test_bf16_params_with_fp32_master(paths):
+    """bf16 params, fp32 master in the tiers: within one bf16 ulp of the same scheme in memory."""
+    inner = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    params = make_params(dtype=jnp.bfloat16)
+    expected = _master_scheme(inner, params, jit=True)
 
     with jax_mlp.mlp_offload(inner, paths=[paths[0]], subgroup_size=SUBGROUP, master_dtype=jnp.float32) as tx:
         opt_state = tx.init(params)

@@ -53,7 +53,9 @@ def batch(step: int) -> jax.Array:
 
 
 def train(inner, params, directory, steps: int, *, overlapped: bool, clip: float | None = None, **options):
-    """Trains ``steps`` steps; returns the params and each update's stats."""
+    """Trains ``steps`` steps, every one overlapped (unless ``overlap_mode`` says otherwise); returns the params and
+    each update's stats."""
+    options = {"overlap_mode": "always", **options}
     offload = jax_mlp.mlp_offload(inner, paths=[directory], subgroup_size=SUBGROUP, **options)
     tx = offload if clip is None else optax.chain(optax.clip_by_global_norm(clip), offload)
 
@@ -202,6 +204,54 @@ def test_a_second_backward_in_one_step_and_a_flush_before_update_fall_back_exact
     assert_same_bits(p, split, "after a duplicate backward and a flush")
 
 
+def train_on_a_virtual_clock(directory, steps: int, overlapped_s: float, split_s: float, flush_at: int = -1):
+    """Trains with ``overlap_mode="timed"`` on a clock that says each overlapped step took ``overlapped_s``, each
+    split one ``split_s``; flushes between steps ``flush_at - 1`` and ``flush_at``, for a day. Returns the params,
+    the stats and whether the updates at the end took the order the backward's grads came in."""
+    params = make_params()
+    offload = jax_mlp.mlp_offload(optax.adam(1e-2), paths=[directory], subgroup_size=SUBGROUP)
+    grads_of = jax.jit(jax.grad(lambda q, x: loss(offload.overlap(q), x)))
+    now, stats = [0.0], []
+    with offload:
+        state = offload.init(params)
+        overlap = offload._offloader.live.overlap
+        overlap._clock = lambda: now[0]
+        for step in range(steps):
+            if step == flush_at:
+                offload.flush()
+                now[0] += 86400.0
+            now[0] += overlapped_s if overlap._basis is not None else split_s  # what the step now starting costs
+            updates, state = offload.update(grads_of(params, batch(step)), state, params)
+            params = optax.apply_updates(params, updates)
+            stats.append(offload.stats)
+        following = offload._offloader.live.stream.scheduler.following
+    return params, stats, following
+
+
+def test_a_slower_overlap_falls_back_to_the_split_step_and_says_so(tmp_path, caplog):
+    # The trial: step 0 (compiles) and 1 untimed, 2-4 overlapped, 5 untimed, 6-8 split; from 9 the faster mode.
+    # The flush before step 3 leaves that step untimed (a day on this clock would win the trial for the split step).
+    split, _ = train(optax.adam(1e-2), make_params(), tmp_path / "split", 12, overlapped=False)
+    with caplog.at_level(logging.INFO, logger="jax_mlp"):
+        slower, stats, following = train_on_a_virtual_clock(
+            tmp_path / "slower", 12, overlapped_s=2.0, split_s=1.5, flush_at=3
+        )
+    assert not following  # the split steps take the split route's order (alternating), not the backward's
+    assert_same_bits(slower, split, "fallen back")
+    assert sum(s.overlapped > 0 for s in stats[1:5]) >= 3, [s.overlapped for s in stats]
+    assert [s.overlap_fallback for s in stats] == [False] * 9 + [True] * 3
+    assert (stats[-1].overlapped_step_s, stats[-1].split_step_s) == (2.0, 1.5)
+    assert all(s.overlapped == 0 and s.overlap_bytes == 0 for s in stats[5:]), stats
+    assert "overlapped steps took 2.000 s, split ones 1.500 s (medians of 3): the next 100 steps run split" in (
+        caplog.text
+    )
+    faster, stats, following = train_on_a_virtual_clock(tmp_path / "faster", 12, overlapped_s=1.0, split_s=1.5)
+    assert following
+    assert_same_bits(faster, split, "kept on")
+    assert not any(s.overlap_fallback for s in stats) and stats[-1].overlapped_step_s == 1.0
+    assert sum(s.overlapped > 0 for s in stats[9:]) >= 2, [s.overlapped for s in stats]
+
+
 def test_sharded_over_eight_devices_with_a_clipping(tmp_path, clip):
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("data", "model"))
@@ -284,7 +334,12 @@ def test_the_overlap_benchmark_runs_both_routes_beside_each_other_and_the_model(
     assert json.loads(written.read_text()) == json.loads(json.dumps(result))
     (run,) = result["factors"][0]["runs"]
     assert run["split"]["rolled_back"] == run["overlapped"]["rolled_back"] == 0
-    assert sum(run["overlapped"]["overlapped"]) > 0 and sum(run["split"]["overlapped"]) == 0
+    assert sum(run["overlapped"]["overlapped"][:5]) > 0 and sum(run["split"]["overlapped"]) == 0
+    # the library's trial of both modes (steps 5-8 split: nothing overlapped), then the faster
+    assert sum(run["overlapped"]["overlapped"][5:9]) == 0 and len(run["overlapped"]["step_s"]) == 9 + 3
+    chosen = run["overlapped"]["fallback"][9]
+    assert run["overlapped"]["fallback"] == [False] * 9 + [chosen] * 3
+    assert not chosen or sum(run["overlapped"]["overlapped"][9:]) == 0
     assert set(run["model_s"]) == {"split", "overlapped"} and result["disk_s"] > 0
 
 

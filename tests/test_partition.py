@@ -59,3 +59,37 @@ def test_the_layout_hash_depends_on_the_plan():
     assert partition.make_plan(tree, inner, 2048).layout_hash != base
     assert partition.make_plan(tree, inner, 4096, np.dtype(np.float32)).layout_hash != base
     assert partition.make_plan(tree, optax.sgd(1e-3), 4096).layout_hash != base
+
+
+def _layers(count: int, width: int = 16) -> dict:
+    return {f"l{i}": {"w": jax.ShapeDtypeStruct((width, width), np.float32)} for i in range(count)}
+
+
+def _names(plan) -> list[set[str]]:
+    return [{plan.leaves[piece.leaf].path for piece in sg.pieces} for sg in plan.subgroups]
+
+
+def test_subgroups_hold_neighbouring_layers_as_users_number_them():
+    # 12 layers of 1 KiB params, 3 KiB of adam state: 3 a subgroup. Flattening sorts the keys as strings
+    # (l0, l1, l10, l11, l2, ...); the natural order puts l2 before l10, so a subgroup's grads arrive together.
+    tree, inner = _layers(12), optax.adam(1e-3)
+    natural = partition.make_plan(tree, inner, 3 * 2 * 1024 + 512)
+    assert _names(natural) == [{f"['l{i}']['w']" for i in range(k, k + 3)} for k in range(0, 12, 3)]
+    # Within a subgroup the pieces keep the tree's order, which its view (the optimizer's tree) has.
+    assert all(list(sg.pieces) == sorted(sg.pieces, key=lambda piece: piece.leaf) for sg in natural.subgroups)
+    legacy = partition.make_plan(tree, inner, 3 * 2 * 1024 + 512, leaf_order="tree")
+    assert _names(legacy)[0] == {"['l0']['w']", "['l1']['w']", "['l10']['w']"}
+    assert (natural.leaf_order, legacy.leaf_order) == ("natural", "tree")
+    assert natural.layout_hash != legacy.layout_hash
+    # Where both orders agree, so does the layout: runs of names without numbers resume as before.
+    few = _layers(3)
+    assert (
+        partition.make_plan(few, inner, 4096).layout_hash
+        == partition.make_plan(few, inner, 4096, leaf_order="tree").layout_hash
+    )
+
+
+def test_the_natural_order_compares_every_number_in_a_path():
+    paths = ["['Dense_10']['kernel']", "['Dense_2']['bias']", "['Dense_2']['kernel']", "['Dense_9']['kernel']"]
+    assert sorted(paths, key=partition._natural_key) == [paths[1], paths[2], paths[3], paths[0]]
+    assert sorted(["[3][12]", "[3][2]", "[10][0]"], key=partition._natural_key) == ["[3][2]", "[3][12]", "[10][0]"]

@@ -263,6 +263,10 @@ def test_probe_json_holds_each_paths_measurement_free_space_and_need(tmp_path, c
         (["--params", "1B", "--tflops", "300", "--compute-s", "1"], "not both"),
         (["--params", "1B", "--paths", "/no/such/dir"], "neither a directory here nor NAME=RATE"),
         (["--params", "1B", "--update-compute-s", "-1"], "--update-compute-s must not be negative"),
+        ([], "give the model's size as --params (e.g. 7B) or its leaves as --leaves"),
+        (["--leaves", "2048x0"], "--leaves '2048x0' is not a leaf's shape"),
+        (["--leaves", "2048:x"], "--leaves '2048:x' is not a leaf's shape"),
+        (["--params", "1B", "--leaves", "1024x1024"], "--params 1B is not the 1048576 params of --leaves"),
     ],
 )
 def test_mistakes_are_one_line_and_status_2(args, message, capsys):
@@ -295,3 +299,19 @@ def test_a_layer_streamed_plan_adds_the_grads_each_way_when_the_update_is_deferr
     assert said["speculate"] == pytest.approx(speculated, rel=1e-3)
     assert said["defer"] == pytest.approx(deferred, rel=1e-3)
     assert deferred[1] == speculated[1] + params and deferred[0] > speculated[0] + params
+
+
+def test_the_models_own_leaves_are_packed_as_mlp_offload_packs_them(capsys):
+    # 8 leaves of 2048x2048 with fp32 masters: 48 MiB of state each, so 8 records where 64 MiB cuts would make 6
+    paths = ["--paths", "nvme=300MB/s:300MB/s:duplex", "--master"]
+    figures = json.loads(plan(capsys, "--leaves", "2048x2048:8", *paths, "--json"))
+    assert (figures["records"], figures["record_bytes"]) == (8, 48 * MiB)
+    assert figures["params"] == 8 * 2048 * 2048
+    cut = json.loads(plan(capsys, "--params", str(8 * 2048 * 2048), *paths, "--json"))
+    assert (cut["records"], cut["record_bytes"]) == (6, 64 * MiB)
+    # a leaf above the subgroup size is cut into row chunks; small leaves share a record; --params may agree
+    mixed = ["--leaves", "8192x2048", "2048:8", "--params", str(8192 * 2048 + 8 * 2048), "--subgroup-size", "64MiB"]
+    figures = json.loads(plan(capsys, *mixed, *paths, "--json"))
+    assert figures["records"] == 4  # 192 MiB of state in three 64 MiB chunks, then the biases
+    # (4, 4) with (4,): 160 B of 192; (8, 4) is 256 B, cut at 6 rows (192 B) and 2 (64 B)
+    assert sizing.packed_records([(4, 4), (4,), (8, 4)], 8.0, 192) == 3

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import grads_at, make_params, run_offload
+from helpers import assert_same_bits, grads_at, make_params, run_offload, train
 
 import jax_mlp
+from jax_mlp._src.offload import planning
 
 SUBGROUP = "16KiB"
 
@@ -98,3 +100,31 @@ def test_a_failed_resume_leaves_the_directory_usable(paths):
         resumed.init(params)
     with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]]) as tx:
         assert int(tx.init(params).step) == 0
+
+
+def test_a_run_planned_in_tree_order_resumes_in_it(paths, monkeypatch):
+    # Before 0.3 a plan packed the leaves in the flattened tree's order (l0, l1, l10, ...) and run.json did
+    # not name the order: such a run resumes in that order, bitwise as if it had never stopped.
+    params = {f"l{i}": jax.random.normal(jax.random.key(i), (32, 32)) for i in range(12)}
+    options = {"subgroup_size": "24KiB"}
+    expected, _ = run_offload(optax.adam(1e-2), params, 4, [paths[1]], **options)
+    make_plan = planning.partition.make_plan
+    monkeypatch.setattr(
+        planning.partition, "make_plan", lambda *args, leaf_order, **kw: make_plan(*args, leaf_order="tree", **kw)
+    )
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], **options) as tx:
+        trained, _ = train(tx, params, tx.init(params), range(2))
+        old = tx._offloader.live.plan
+    monkeypatch.undo()
+    (run_file,) = Path(paths[0]).glob("*/run.json")
+    identity = json.loads(run_file.read_text())
+    del identity["plan"]["leaf_order"]  # as 0.2 wrote it
+    run_file.write_text(json.dumps(identity))
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[paths[0]], **options, resume=True) as tx:
+        state = tx.init(trained)
+        assert tx._offloader.live.plan.layout_hash == old.layout_hash
+        assert tx._offloader.live.plan.layout_hash != tx._offloader.plan_for(params).layout_hash
+        assert int(state.step) == 2
+        resumed, _ = train(tx, trained, state, range(2, 4))
+    assert_same_bits(resumed, expected)
+    assert "packed into subgroups in tree order, this offload's in natural order" in _refusal(paths, params, **options)

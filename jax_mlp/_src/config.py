@@ -29,6 +29,9 @@ TransferChoice = Literal["auto", "pinned", "plain"]
 """How subgroups move between host and device (see ``stream/transfer.py``)."""
 MasterStorage = Literal["full", "remainder"]
 """How records hold the fp32 master of bf16 params: whole, or as its int16 low half."""
+OverlapMode = Literal["timed", "always"]
+"""Whether a backward that applies ``offload.overlap`` starts the update: when timed faster than the split
+step (``"timed"``), or always (see ``schedule/overlap_choice.py``)."""
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -130,6 +133,7 @@ class OffloadOptions(TypedDict, total=False):
     accumulate_steps: int
     accumulator_dtype: Any
     transfer: TransferChoice
+    overlap_mode: OverlapMode
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -197,6 +201,9 @@ class OffloadConfig:
         ``pinned_host`` memory with zero-copy host views, ``"plain"`` by ``device_put`` and
         ``np.asarray``, or ``"auto"`` (pinned on GPUs that have it, plain elsewhere; the stats' ``transfer``
         says which ran). Both move the same bits.
+      overlap_mode: with ``offload.overlap`` in the loss, ``"timed"`` times overlapped and split steps
+        side by side and runs the faster (tried again every 100 steps; the stats' ``overlap_fallback``
+        says which runs), ``"always"`` starts every update in the backward. Both give the same bits.
     """
 
     paths: tuple[Path, ...]
@@ -221,6 +228,7 @@ class OffloadConfig:
     accumulate_steps: int
     accumulator_dtype: np.dtype
     transfer: TransferChoice
+    overlap_mode: OverlapMode
 
     def __init__(
         self,
@@ -247,6 +255,7 @@ class OffloadConfig:
         accumulate_steps: int = 1,
         accumulator_dtype: Any = np.float32,
         transfer: TransferChoice = "auto",
+        overlap_mode: OverlapMode = "timed",
     ):
         given = {name: value for name, value in locals().items() if name != "self"}  # every option, as given
         for name, value in {**given, **_normalised(given)}.items():

@@ -120,6 +120,11 @@ class UpdateStats(NamedTuple):
       overlap_bytes: the most host bytes of handed-over grads (and params) held at once.
       rolled_back: whether the grads ``update`` was given differed from those the backward handed over
         (a clipping that fired, say), so the overlapped update was undone and the step streamed again.
+      overlap_fallback: whether the last trial of both modes found the split step faster, so steps run
+        split (the backward's grads let go) until the next trial (see
+        :mod:`jax_mlp._src.schedule.overlap_choice`).
+      overlapped_step_s: the median overlapped step (``update`` to ``update``) of that trial; 0 before one.
+      split_step_s: the median split step of that trial; 0 before one.
     """
 
     step: int
@@ -145,6 +150,9 @@ class UpdateStats(NamedTuple):
     overlap_s: float = 0.0
     overlap_bytes: int = 0
     rolled_back: bool = False
+    overlap_fallback: bool = False
+    overlapped_step_s: float = 0.0
+    split_step_s: float = 0.0
 
     @property
     def paths(self) -> list[str]:

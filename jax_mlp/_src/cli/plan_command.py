@@ -54,8 +54,10 @@ def _workload(args: argparse.Namespace) -> Workload:
     if subgroup <= 0:
         raise UsageError("--subgroup-size must be positive")
     param_bytes = _DTYPES[_param_dtype(args)].itemsize
+    processes = args.nodes * args.processes_per_node
+    leaves = _leaf_shapes(args.leaves)
     return Workload(
-        params=parse_count(args.params, "--params"),
+        params=_params(args, leaves),
         param_bytes=param_bytes,
         update_bytes=MASTER_BYTES if args.master else param_bytes,
         state_bytes_per_param=args.state_bytes_per_param * state_codecs.stored_fraction(args.state_codec)
@@ -68,7 +70,40 @@ def _workload(args: argparse.Namespace) -> Workload:
         write_depth=args.write_depth,
         params_in_host=args.params_in == "host",
         layers=args.layers or 1,
+        leaf_shapes=tuple((-(-shape[0] // processes), *shape[1:]) if shape else shape for shape in leaves),
     )
+
+
+def _leaf_shapes(specs: list[str] | None) -> list[tuple[int, ...]]:
+    """The shapes ``--leaves`` gives, each ``D1xD2...`` repeated ``:COUNT`` times (``2048x2048:8``)."""
+    shapes = []
+    for spec in specs or ():
+        shape, _, count = spec.partition(":")
+        try:
+            dims, times = tuple(int(d) for d in shape.split("x")) if shape else (), int(count or 1)
+        except ValueError:
+            dims, times = (-1,), 0
+        if times < 1 or any(d < 1 for d in dims):
+            raise UsageError(
+                f"--leaves {spec!r} is not a leaf's shape: write e.g. 2048x2048, or 2048x2048:8 for 8 of them"
+            )
+        shapes += [dims] * times
+    return shapes
+
+
+def _params(args: argparse.Namespace, leaves: list[tuple[int, ...]]) -> float:
+    """``--params``, or the leaves' sum; both given, they must agree."""
+    total = sum(math.prod(shape) for shape in leaves)
+    if args.params is None:
+        if not leaves:
+            raise UsageError(
+                "give the model's size as --params (e.g. 7B) or its leaves as --leaves (e.g. 4096x4096:32)"
+            )
+        return total
+    params = parse_count(args.params, "--params")
+    if leaves and abs(params - total) > 0.005 * total:
+        raise UsageError(f"--params {args.params} is not the {total} params of --leaves: give one, or make them agree")
+    return params
 
 
 def _compute(args: argparse.Namespace, work: Workload) -> Compute:
@@ -194,13 +229,24 @@ COMMAND = Command(
         "  jax-mlp plan --params 7e9 --master --paths /local/nvme/run1 /lustre/proj/run1 --compute-s 4\n"
         "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --master --state-codec int8\n"
         "  jax-mlp plan --params 7e9 --paths nvme=6GB/s --compute-s 4 --json\n"
+        "  jax-mlp plan --leaves 2048x2048:8 --master --paths nvme=300MB/s:300MB/s:duplex pfs=150MB/s:150MB/s:duplex \\\n"
+        "      --host-cache 96MiB --compute-s 0.1\n"
         "  jax-mlp plan --params 70B --master --params-in host --layers 80 --processes-per-node 4 \\\n"
         "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --device-memory 40GB\n"
         "  jax-mlp plan --params 175B --master --params-in tiers --layers 96 --processes-per-node 4 \\\n"
         "      --paths nvme=6.5GB/s:3GB/s lustre=3GB/s:2GB/s --host-cache 200GiB --compute-s 60 --endurance 14PB"
     ),
     arguments=(
-        argument("--params", required=True, help="parameters of the model, e.g. 70B, 7e9 or 1.5e9 (K, M, B, T)"),
+        argument("--params", default=None, help="parameters of the model, e.g. 70B, 7e9 or 1.5e9 (K, M, B, T)"),
+        argument(
+            "--leaves",
+            nargs="+",
+            default=None,
+            metavar="SHAPE[:COUNT]",
+            help="the model's param leaves in the order of their names, e.g. 2048x2048:8 2048:8: its records are "
+            "then packed as mlp_offload packs them (whole leaves, large ones in row chunks), not cut at "
+            "--subgroup-size; --params is then their sum",
+        ),
         argument(
             "--paths",
             required=True,

@@ -6,14 +6,19 @@ and how its state streams); the functions here size what the performance model o
 (:func:`device_memory`), the host RAM of each node (:func:`host_memory`), the update's floor when no
 storage I/O is on its path (:func:`link_seconds`), the params' and grads' trips over the link when
 they live in host memory (:func:`params_link_seconds`) and the forward and backward from FLOPs
-(:func:`flops_seconds`).
+(:func:`flops_seconds`). Given the model's leaves, its records are packed as ``mlp_offload`` packs them
+(:func:`packed_records`); else they are cut from the state at the subgroup size (:func:`records`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
+from jax_mlp._src.plan import partition
 from jax_mlp._src.storage.buffers import POOL_BYTES
 
 PROCESS_BYTES = 2 * 1024**3
@@ -23,6 +28,24 @@ PROCESS_BYTES = 2 * 1024**3
 def records(state_bytes: float, subgroup_bytes: float) -> tuple[int, float]:
     """The records a plan cuts ``state_bytes`` into with subgroups of ``subgroup_bytes``: their count and size."""
     return max(1, math.ceil(state_bytes / subgroup_bytes)), subgroup_bytes
+
+
+class _FlatRate:
+    """A whole leaf's bytes in a record at a flat rate per param: the estimator :func:`packed_records` packs with."""
+
+    def __init__(self, specs: Sequence[partition.LeafSpec], bytes_per_param: float):
+        self._specs, self._rate = specs, bytes_per_param
+
+    def piece_nbytes(self, piece: partition.Piece) -> int:
+        return math.ceil(math.prod(self._specs[piece.leaf].shape) * self._rate)
+
+
+def packed_records(leaf_shapes: Sequence[tuple[int, ...]], bytes_per_param: float, subgroup_bytes: int) -> int:
+    """How many records ``mlp_offload`` packs these leaves' state into: whole leaves in the order given, a leaf above
+    ``subgroup_bytes`` cut into row chunks (:func:`~jax_mlp._src.plan.partition.group_pieces`)."""
+    specs = [partition.LeafSpec(f"[{i}]", tuple(shape), np.dtype(np.float32)) for i, shape in enumerate(leaf_shapes)]
+    pieces = [partition.Piece(leaf) for leaf in range(len(specs))]
+    return len(partition.group_pieces(specs, pieces, _FlatRate(specs, bytes_per_param), subgroup_bytes))
 
 
 class Workload(NamedTuple):
@@ -47,6 +70,8 @@ class Workload(NamedTuple):
       params_in_host: the params and grads live in host memory, not on the devices.
       layers: the model's layers, of ``params / layers`` each: with ``params_in_host``, what a device holds
         of the params at a time.
+      leaf_shapes: the shapes of the leaves one process offloads, in the order they are packed, or empty:
+        then the state is cut into records of ``subgroup_bytes``.
     """
 
     params: float
@@ -61,6 +86,7 @@ class Workload(NamedTuple):
     write_depth: int
     params_in_host: bool = False
     layers: int = 1
+    leaf_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def devices(self) -> int:
@@ -74,12 +100,17 @@ class Workload(NamedTuple):
 
     @property
     def num_records(self) -> int:
-        """Records (subgroups) of one process."""
+        """Records (subgroups) of one process: its leaves packed, or its state cut at the subgroup size."""
+        if self.leaf_shapes:
+            return packed_records(self.leaf_shapes, self.state_bytes_per_param, self.subgroup_bytes)
         return records(self.state_bytes, self.subgroup_bytes)[0]
 
     @property
     def record_bytes(self) -> float:
-        """Bytes of one record: a subgroup, or the whole state of a process that holds less."""
+        """Bytes of one record: the mean of the leaves' records; else a subgroup, or the whole state of a process
+        that holds less."""
+        if self.leaf_shapes:
+            return self.state_bytes / self.num_records
         return min(self.subgroup_bytes, self.state_bytes)
 
     @property

@@ -217,7 +217,8 @@ class LayerStream(ClosesOnExit):
         check_closure(self.stack.layer)
 
         def make_plan(tree: Any, unit_of: Sequence[int]) -> Any:  # the optimizer check, then the subgroups
-            return planning.plan_params(self.inner, self.config, tree, None, unit_of).plan
+            # The units order the stream, and a unit's leaves share one subgroup: tree order, as ever.
+            return planning.plan_params(self.inner, self.config, tree, None, unit_of, "tree").plan
 
         plan = layer_plans.make_layer_plan(outer, one_layer, num_layers, make_plan)
         check_host_memory(plan, self.config, self._device.platform)

@@ -33,7 +33,7 @@ from jax_mlp._src.offload.route import Call, Calls, Parts, Route
 from jax_mlp._src.offload.split import SplitRoute
 from jax_mlp._src.parsing import parse_rate
 from jax_mlp._src.plan.callback_layout import callback_layout
-from jax_mlp._src.plan.partition import Plan
+from jax_mlp._src.plan.partition import LeafOrder, Plan
 from jax_mlp._src.plan.sharding import LeafSharding
 from jax_mlp._src.state import OffloadState
 from jax_mlp._src.storage.paths import open_configured, release_paths
@@ -139,15 +139,15 @@ class Offloader(ClosesOnExit):
         """
         return self._planned(params).plan
 
-    def _planned(self, params: Any) -> planning.Planned:
+    def _planned(self, params: Any, leaf_order: LeafOrder = "natural") -> planning.Planned:
         inputs.check_has_leaves(params)
         inputs.check_float_leaves(params)
         leaves = jax.tree_util.tree_leaves(params)
         inputs.check_master_dtype(leaves, self.config.master_dtype)
         inputs.check_param_memory(params, self.config.accumulate_steps)
-        key = (jax.tree_util.tree_structure(params), tuple(planning.signature(x) for x in leaves))
+        key = (jax.tree_util.tree_structure(params), tuple(planning.signature(x) for x in leaves), leaf_order)
         if self._last_plan is None or self._last_plan.key != key:
-            self._last_plan = planning.plan_params(self.inner, self.config, params, key)
+            self._last_plan = planning.plan_params(self.inner, self.config, params, key, leaf_order=leaf_order)
         return self._last_plan._replace(leaves=leaves)
 
     def init(self, params: Any) -> OffloadState:
@@ -191,11 +191,13 @@ class Offloader(ClosesOnExit):
         if self.live is not None:
             raise OffloadError("this mlp_offload was already initialised; create a new one for another model")
         self._check_open()
-        planned = self._planned(params)
-        config, plan = self.config, planned.plan
+        planned, config = self._planned(params), self.config
         paths = open_configured(config)
         stream = None
         try:
+            if intent == "resume":  # a run planned before 0.3 packs its leaves in tree order
+                planned = self._planned(params, resume.held_leaf_order(paths))
+            plan = planned.plan
             resume.check_paths(paths, plan, config.subgroup_size, intent=intent)
             stream = build_stream(self.inner, config, plan, paths, self._peer_key, self.on_stats, planned.notes)
             live = self._routes(planned, stream)
@@ -254,12 +256,14 @@ class Offloader(ClosesOnExit):
         """Writes every dirty cached record to storage (a no-op before ``init``)."""
         self._check_open()
         if self.live is not None:
+            self.live.overlap.interrupted()
             self.live.overlap.settle()
             self.live.stream.flush()
 
     def pin(self) -> Pin:
         """Flushes, then pins the current step so it can be read beside training (a checkpoint save)."""
         live = self.initialised()
+        live.overlap.interrupted()
         live.overlap.settle()
         return live.stream.pin()
 
@@ -312,6 +316,7 @@ class Offloader(ClosesOnExit):
         try:
             outcome = live.route_for(call, self.config.accumulate_steps).run(call)
         except BaseException:
+            live.overlap.interrupted()
             live.overlap.expect(None)
             raise
         live.overlap.expect(outcome.expect, call.grads)

@@ -8,7 +8,9 @@ update on a thread of its own: a transaction whose reads run ahead at once and w
 run as soon as their grads are in, in the order the backward hands them over (last layer first,
 learnt from the step before). Its new records go to the slot the tiers' step does not hold: nothing
 is committed yet. Only the grads of the subgroups about to run are kept (``prefetch_depth + 1`` of
-them): later ones take the final grads ``update`` is given, so host memory stays bounded.
+them): later ones take the final grads ``update`` is given, so host memory stays bounded. With
+``overlap_mode="timed"`` a step starts one only while overlapped steps time faster than split ones
+(``schedule/overlap_choice.py``); otherwise its backward's grads are let go.
 
 ``update`` (or the last call of an accumulation window) finishes the step with the final grads:
 subgroups still to run take them; those that ran from handed-over grads are checked against them
@@ -38,6 +40,7 @@ from jax_mlp._src.plan.callback_layout import CallbackLayout, device_index
 from jax_mlp._src.plan.partition import Plan
 from jax_mlp._src.plan.programs import Uniform
 from jax_mlp._src.plan.sharding import DEVICE_MEMORY, BlockKey, LeafSharding, in_memory
+from jax_mlp._src.schedule.overlap_choice import RETRY_EVERY, TRIAL_STEPS, OverlapChoice
 from jax_mlp._src.stream.arrivals import Arrivals, Cancelled, FollowedUpdates, Mailbox, fingerprint
 from jax_mlp._src.stream.blocks import Blocks, Staging
 from jax_mlp._src.stream.engine import Timings
@@ -113,6 +116,9 @@ class Overlap:
         self._subgroup_of = {key: index for index, keys in enumerate(self._keys_of) for key in keys}
         self._owners = sharding.owners(plan)
         self._identity = self._make_identity()
+        self._choice = OverlapChoice()  # whether the next backward starts the update: the faster mode, as timed
+        self._learnt: list[int] | None = None  # the order the last overlapped update's subgroups came in
+        self._clock = time.perf_counter
 
     # ----------------------------------------------------------------------------- in the user's step
 
@@ -218,8 +224,8 @@ class Overlap:
                 return self._round
             if self._basis is None:
                 return None
-            if not self._stream.scheduler.following:
-                self._stream.scheduler.follow(range(len(self._plan.subgroups) - 1, -1, -1))  # last layers first
+            if not self._stream.scheduler.following:  # last layers first, or as the last overlapped step learnt
+                self._stream.scheduler.follow(self._learnt or range(len(self._plan.subgroups) - 1, -1, -1))
             order = self._stream.scheduler.order(self._basis.step)
             arrivals = Arrivals(order, self._keys_of, self._config.prefetch_depth + 1)
             self._round = round_ = _Round(self._basis, arrivals)
@@ -270,8 +276,42 @@ class Overlap:
         """
         if basis is not None and self._used:
             jax.block_until_ready(list(grads))
+            if self._config.overlap_mode == "timed":
+                basis = self._timed(basis)
         with self._lock:
             self._basis = basis
+
+    def interrupted(self) -> None:
+        """The offloader was used between steps (a flush, a save, a failed call): the step running is not timed."""
+        self._choice.interrupted()
+
+    def _timed(self, basis: Basis) -> Basis | None:
+        """The step ended: ``basis`` if the next one overlaps, None if it runs split (its grads let go, its
+        subgroups in the split route's order); logs what a trial of both modes found when one just ended."""
+        choice = self._choice
+        overlaps = choice.step_ended(self._clock())
+        if choice.decided:
+            self._log_trial()
+        if overlaps:
+            return basis
+        self._stream.scheduler.follow(None)  # a split step takes the split route's order, and its cache
+        return None
+
+    def _log_trial(self) -> None:
+        choice = self._choice
+        found = (
+            f"overlapped steps took {choice.last.overlapped_step_s:.3f} s, split ones {choice.last.split_step_s:.3f} s "
+            f"(medians of {TRIAL_STEPS})"
+        )
+        if choice.last.overlap_fallback:
+            logger.warning(
+                "mlp_offload: %s: the next %d steps run split (the backward's grads are let go), then both are "
+                "timed again; the bits are the same either way",
+                found,
+                RETRY_EVERY,
+            )
+        else:
+            logger.info("mlp_offload: %s: the overlap stays on", found)
 
     def basis(
         self, grads: Sequence[Any], shared: Any, window: accumulation_window.Window | None = None
@@ -300,11 +340,12 @@ class Overlap:
           notes its stats carry.
         """
         round_ = self._round_of_this_step(blocks)
+        chosen = self._choice.last._asdict()
         if round_ is None:
-            return None, self._pending.pop("undone", {})
+            return None, {**self._pending.pop("undone", {}), **chosen}
         arrivals = round_.arrivals
         called = time.perf_counter()
-        notes = {"overlap_s": 0.0 if round_.streaming is None else called - round_.streaming}
+        notes = {"overlap_s": 0.0 if round_.streaming is None else called - round_.streaming, **chosen}
         arrivals.finalise(blocks)
         reason = self._differs(round_, blocks)
         if reason is None:
@@ -318,8 +359,8 @@ class Overlap:
         notes.update(overlapped=len(arrivals.early), overlap_bytes=arrivals.peak_bytes)
         self._close(round_)
         self._stream.end(round_.transaction, timings, compiles, notes)
-        completed = arrivals.completed + [k for k in arrivals.order if k not in arrivals.completed]
-        self._stream.scheduler.follow(completed)  # the next step takes them in the order they came
+        self._learnt = arrivals.completed + [k for k in arrivals.order if k not in arrivals.completed]
+        self._stream.scheduler.follow(self._learnt)  # the next step takes them in the order they came
         return results, notes
 
     def _round_of_this_step(self, blocks: Blocks) -> _Round | None:

@@ -34,10 +34,12 @@ def plan_params(
     params: Any,
     key: Any,
     unit_of: Sequence[int] | None = None,
+    leaf_order: partition.LeafOrder = "natural",
 ) -> Planned:
     """Checks the optimizer on ``params`` (their shapes), then plans their subgroups; warns of oversized leaves.
 
-    ``unit_of`` gives each leaf's unit for a layer-streamed model (no subgroup spans two), or is None.
+    ``unit_of`` gives each leaf's unit for a layer-streamed model (no subgroup spans two), or is None;
+    ``leaf_order`` the order pieces are packed in (``"tree"`` for a run planned before 0.3).
     """
     leaves = jax.tree_util.tree_leaves(params)
     sharding = LeafSharding.of(leaves)
@@ -51,6 +53,7 @@ def plan_params(
         whole_leaves=check.whole_leaves,
         master_storage=config.master_storage,
         unit_of=unit_of,
+        leaf_order=leaf_order,
     )
     oversized = partition.oversized_whole_leaves(plan, check.whole_leaves, config.subgroup_size)
     _warn_of(oversized, plan, config.subgroup_size)

@@ -19,7 +19,7 @@ import numpy as np
 
 from jax_mlp._src import peers, state_codecs
 from jax_mlp._src.errors import OffloadError, RecordError
-from jax_mlp._src.plan.partition import Plan, treedef_paths
+from jax_mlp._src.plan.partition import LeafOrder, Plan, treedef_paths
 from jax_mlp._src.storage.paths import PathStore
 from jax_mlp._src.storage.record import RecordLayout
 from jax_mlp._src.stream.engine import Engine
@@ -43,6 +43,7 @@ def describe_plan(plan: Plan, subgroup_size: int) -> dict[str, Any]:
         "master_dtype": None if plan.master_dtype is None else str(plan.master_dtype),
         "master_storage": _master_storage(plan),
         "subgroup_size": subgroup_size,
+        "leaf_order": plan.leaf_order,
         "state_fields": [
             [
                 [name, list(field.shape), str(field.dtype)]
@@ -97,6 +98,9 @@ def _first_difference(held: dict, wanted: dict) -> str | None:
             f"its records hold {storage} masters, this offload's {wanted['master_storage']} ones: pass "
             f"master_storage={storage!r} to resume it"
         )
+    order = held.get("leaf_order", "tree")  # a run.json written before 0.3 describes tree order
+    if order != wanted["leaf_order"]:
+        return f"its leaves are packed into subgroups in {order} order, this offload's in {wanted['leaf_order']} order"
     cause = "another optimizer or sharding"
     for index, (there, here) in enumerate(zip(held["state_fields"], wanted["state_fields"], strict=False)):
         for field, (a, b) in enumerate(zip(there, here, strict=False)):
@@ -116,6 +120,16 @@ def _what_differs(identity: dict, plan: Plan, subgroup_size: int) -> str:
     if difference is None:  # a run.json of an older version, or a change only the hash sees (the sharding)
         return f"layout hash {identity.get('layout_hash')}, expected {plan.layout_hash.hex()}"
     return difference
+
+
+def held_leaf_order(paths: Sequence[PathStore]) -> LeafOrder:
+    """The order the run on ``paths`` packed its leaves in: ``"tree"`` for a run planned before 0.3, whose
+    ``run.json`` does not say; ``"natural"`` where no path holds a run."""
+    for path in paths:
+        identity = path.read_run_file()
+        if identity is not None:
+            return identity.get("plan", {}).get("leaf_order", "tree")
+    return "natural"
 
 
 def newest_step(paths: Sequence[PathStore], plan: Plan) -> int | None:

@@ -2,7 +2,11 @@
 
 A subgroup is a set of *pieces*: whole leaves, the shards of a sharded leaf that this process owns,
 or row chunks along axis 0 of either when larger than the subgroup size. A subgroup's pieces all live
-on one device, where its update runs. Its *view* is the user's full tree with ``None`` in place of every leaf outside the
+on one device, where its update runs. Pieces are packed in the *natural order* of the leaves' names
+(numbers compared as numbers: ``l2`` before ``l10``, ``Dense_9`` before ``Dense_10``), which is the
+order users name their layers in, so a subgroup holds neighbouring layers and its grads arrive
+together in the backward; ``tree`` order (keys sorted as strings) is kept for runs planned before.
+Its *view* is the user's full tree with ``None`` in place of every leaf outside the
 subgroup, so masks and per-leaf optimizers see the tree they were written for. The inner optimizer's
 state for a view is exactly ``inner.init(view)``; its flattened leaves (plus master params, if any)
 are laid out back to back, 64-byte aligned, in the subgroup's record payload: its
@@ -13,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -25,6 +30,10 @@ from jax_mlp._src.plan import remainders
 from jax_mlp._src.storage.record import Field, RecordLayout
 
 ALIGN = 64
+
+LeafOrder = Literal["natural", "tree"]
+"""How pieces are packed into subgroups: by the leaves' names with numbers compared as numbers, or in the
+flattened tree's order (keys sorted as strings: ``l10`` before ``l2``), as every plan before 0.3 was."""
 
 
 class LeafSpec(NamedTuple):
@@ -78,6 +87,7 @@ class Plan(NamedTuple):
     subgroups: tuple[Subgroup, ...]
     master_dtype: np.dtype | None
     layout_hash: bytes
+    leaf_order: LeafOrder = "natural"
 
     @property
     def state_nbytes(self) -> int:
@@ -245,20 +255,32 @@ class _Estimator:
         return self._by_signature[signature] + master
 
 
-def _whole_pieces(shards: Sequence[tuple[Shard, ...] | None]) -> list[Piece]:
-    """Every leaf, or every owned shard of a sharded leaf, grouped by device (leaves on one device first)."""
+def _natural_key(path: str) -> tuple:
+    """``path`` with its runs of digits as numbers: ``['l2']`` sorts before ``['l10']``."""
+    parts = re.split(r"(\d+)", path)
+    return tuple(int(part) if index % 2 else part for index, part in enumerate(parts))  # digits at odd places
+
+
+def _whole_pieces(
+    specs: Sequence[LeafSpec], shards: Sequence[tuple[Shard, ...] | None], leaf_order: LeafOrder
+) -> list[Piece]:
+    """Every leaf, or every owned shard of a sharded leaf, grouped by device (leaves on one device first),
+    each device's in ``leaf_order``."""
+    leaves = range(len(specs))
+    if leaf_order == "natural":
+        leaves = sorted(leaves, key=lambda leaf: _natural_key(specs[leaf].path))
     pieces = [
-        Piece(index) if leaf_shards is None else Piece(index, shard=shard)
-        for index, leaf_shards in enumerate(shards)
-        for shard in (leaf_shards or [None])
+        Piece(index) if shards[index] is None else Piece(index, shard=shard)
+        for index in leaves
+        for shard in (shards[index] or [None])
     ]
     return sorted(pieces, key=lambda p: -1 if p.device is None else p.device)
 
 
-def _group_pieces(
+def group_pieces(
     specs: Sequence[LeafSpec],
     pieces: Sequence[Piece],
-    estimator: _Estimator,
+    estimator: Any,
     subgroup_size: int,
     whole_leaves: frozenset[int] = frozenset(),
     unit_of: Sequence[int] | None = None,
@@ -267,6 +289,8 @@ def _group_pieces(
 
     A piece of a leaf in ``whole_leaves`` is never cut: above ``subgroup_size``, it is a subgroup of its own.
     ``unit_of`` gives each leaf's unit (a layer of a layer-streamed model), or None for one unit.
+    ``estimator.piece_nbytes(piece)`` gives a whole piece's bytes in a record (``jax-mlp plan`` packs a model's
+    leaves with its own).
     """
     unit_of = unit_of or [0] * len(specs)
     groups: list[list[Piece]] = []
@@ -358,6 +382,7 @@ def make_plan(
     whole_leaves: frozenset[int] = frozenset(),
     master_storage: str = "full",
     unit_of: Sequence[int] | None = None,
+    leaf_order: LeafOrder = "natural",
 ) -> Plan:
     """Partitions ``params`` into subgroups of about ``subgroup_size`` bytes of offloaded state.
 
@@ -376,7 +401,10 @@ def make_plan(
       master_storage: ``"remainder"`` to store the fp32 master of bf16 leaves as int16 remainders,
         ``"full"`` to store it whole (see :class:`~jax_mlp._src.config.OffloadConfig`).
       unit_of: each leaf's unit, in ``tree_leaves`` order (the layers of a layer-streamed model): no
-        subgroup holds pieces of two units, and the leaves of a unit must be contiguous. None: one unit.
+        subgroup holds pieces of two units, and the leaves of a unit must be contiguous in ``leaf_order``.
+        None: one unit.
+      leaf_order: the order pieces are packed in (see :data:`LeafOrder`); ``"tree"`` to resume a run planned
+        before 0.3.
 
     Returns:
       The plan, with each subgroup's record layout and a hash identifying the whole layout.
@@ -391,12 +419,14 @@ def make_plan(
     shards = shards or [None] * len(specs)
     _refuse_cut_whole_leaves(specs, shards, whole_leaves)
     estimator = _Estimator(inner, treedef, specs, master_dtype, master_storage)
-    whole = _whole_pieces(shards)
+    whole = _whole_pieces(specs, shards, leaf_order)
     subgroups = []
-    for index, pieces in enumerate(_group_pieces(specs, whole, estimator, subgroup_size, whole_leaves, unit_of)):
+    for index, grouped in enumerate(group_pieces(specs, whole, estimator, subgroup_size, whole_leaves, unit_of)):
+        pieces = sorted(grouped, key=lambda piece: piece.leaf)  # a subgroup's pieces in tree order, as its view's
         state_pieces = _abstract_pieces(specs, pieces, master_dtype)
         view = view_of(treedef, len(specs), pieces, state_pieces)
         state_shapes = init_shapes(inner, view)
         master_shapes = [] if master_dtype is None else _master_shapes(specs, pieces, master_dtype, master_storage)
         subgroups.append(Subgroup(index, tuple(pieces), _layout(state_shapes, master_shapes)))
-    return Plan(treedef, specs, tuple(subgroups), master_dtype, _hash_plan(treedef, specs, subgroups, master_dtype))
+    layout_hash = _hash_plan(treedef, specs, subgroups, master_dtype)
+    return Plan(treedef, specs, tuple(subgroups), master_dtype, layout_hash, leaf_order)

@@ -176,15 +176,16 @@ class Scheduler:
         ascending = list(range(len(self.record_bytes)))
         return ascending[::-1] if self.order_kind == "alternate" and step % 2 else ascending
 
-    def follow(self, order: Sequence[int]) -> None:
-        """Every step from now on updates the subgroups in ``order``: the order their grads come in.
+    def follow(self, order: Sequence[int] | None) -> None:
+        """Every step from now on updates the subgroups in ``order``: the order their grads come in; None: in
+        the ``order`` option's again (steps that run split).
 
         An update that overlaps the backward pass takes each subgroup as its grads arrive, last layer
         first, and the reads of the next update start with its first subgroups. The host cache then
         keeps the last of them (:meth:`cached`): they arrive when the backward ends, and their update
         is the one the step waits for.
         """
-        self._followed = tuple(order)
+        self._followed = None if order is None else tuple(order)
 
     @property
     def following(self) -> bool:
