@@ -33,10 +33,11 @@ def parse_with_smoke(
 
 
 def print_and_save(result: dict[str, Any], out: pathlib.Path | None) -> None:
-    """Prints ``result`` as indented JSON, and writes the same text to ``out`` when given."""
+    """Prints ``result`` as indented JSON, and writes the same text to ``out`` (its folder made) when given."""
     text = json.dumps(result, indent=1)
     print(text)
     if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
 
 
@@ -47,3 +48,10 @@ def jax_mlp_json(*args: str) -> Any:
     if done.returncode:
         raise RuntimeError(f"jax-mlp {' '.join(args)} failed: {done.stderr.strip()}")
     return json.loads(done.stdout)
+
+
+def probe(location: str, state_bytes: int) -> dict:
+    """What ``jax-mlp probe`` measures of a directory: its read and write bandwidth and ``serial``, with up to
+    64 MiB in records of 4 MiB."""
+    (measured,) = jax_mlp_json("probe", location, "--size", str(min(64 * 2**20, state_bytes)), "--record", "4MiB")
+    return measured

@@ -9,8 +9,11 @@ path serialises them: ``max(r, w) + serial * min(r, w)`` (docs/scheduling.md) at
 measured in the same run by ``jax-mlp probe --json`` on a real device, the caps themselves (one pipe,
 what they emulate) on an emulated one. The batch is sized so the forward and backward take ``F`` of
 about ``--factors`` × ``D``. For each factor and each of ``--runs`` runs, the same steps run split
-(grads, then ``tx.update``) and overlapped (``offload.overlap`` in the loss), one after the other;
-the figures are each run's median step, against ``max(F, D)`` plus the in-memory update's compute
+(grads, then ``tx.update``) and overlapped (``offload.overlap`` in the loss), one after the other.
+The overlapped run takes the default ``overlap_mode="timed"``: its first 9 steps are the library's
+trial of both modes (steps 2-4 overlapped, 6-8 split, timed), the rest run the mode it chose. The
+figures are each run's median step (split: all but the first; overlapped: the trial's overlapped
+steps; chosen: the steps after the trial), against ``max(F, D)`` plus the in-memory update's compute
 (``optax.adam`` jitted on the same params), and against the performance model's prediction
 (``jax-mlp plan --json``'s ``step``, given the path's speed, the plan's records, the cache, ``F`` and
 that compute). The peak RSS of both is sampled in the same run. Default options otherwise (host cache
@@ -27,22 +30,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import pathlib
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import optax
-import psutil
-from common import RECORD_HEADER, jax_mlp_json, parse_with_smoke, print_and_save
+from common import RECORD_HEADER, jax_mlp_json, parse_with_smoke, print_and_save, probe
+from tanh_mlp import PeakRss, batch, forward_backward_seconds, loss, make_params, rows_for, timed_steps
 
 import jax_mlp
+
+TRIAL = 9
+"""Steps of ``overlap_mode="timed"``'s first trial: 0-1 untimed, 2-4 overlapped, 5 untimed, 6-8 split."""
 
 CLIP = 1e9
 """The chain's ``clip_by_global_norm``: far above these grads' norm."""
@@ -58,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="F over D")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="steps per route and run; the first is not counted")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="split steps per run (the first not counted); overlapped: 9 more"
+    )
     parser.add_argument("--out", default="results")
     return parse_with_smoke(parser, argv, SMOKE)
 
@@ -84,9 +90,7 @@ def speed_of(args: argparse.Namespace, path: jax_mlp.Path, state_bytes: int) -> 
     if args.devices == "emulated":
         rate = jax_mlp.parse_rate(args.rate)
         return {"path": path.location, "read_bandwidth": rate, "write_bandwidth": rate, "serial": 1.0}
-    size = ["--size", str(min(64 * 2**20, state_bytes)), "--record", "4MiB"]
-    (measured,) = jax_mlp_json("probe", path.location, *size)
-    return measured
+    return probe(path.location, state_bytes)
 
 
 def disk_seconds(speed: dict, read_bytes: float, write_bytes: float) -> float:
@@ -111,58 +115,6 @@ def layers_for(args: argparse.Namespace) -> int:
     return max(2, round(jax_mlp.parse_size(args.state) / 8 / args.width**2))
 
 
-def make_params(layers: int, width: int) -> dict:
-    """The layers' weights as users name them: a dict of ``l0``, ``l1``, ... (its leaves sort as strings)."""
-    keys = jax.random.split(jax.random.PRNGKey(0), layers)
-    return {f"l{i}": jax.random.normal(k, (width, width)) / math.sqrt(width) for i, k in enumerate(keys)}
-
-
-def loss(params: dict, x: jax.Array) -> jax.Array:
-    for i in range(len(params)):
-        x = jnp.tanh(x @ params[f"l{i}"])
-    return jnp.mean(x**2)
-
-
-def forward_backward_seconds(params: dict, rows: int) -> float:
-    """The median time of a jitted forward and backward with a batch of ``rows``."""
-    grad = jax.jit(jax.grad(loss))
-    x = jnp.ones((rows, params["l0"].shape[0]))
-    jax.block_until_ready(grad(params, x))
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready(grad(params, x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def rows_for(params: dict, target: float) -> int:
-    """The batch whose forward and backward take about ``target`` seconds (linear in the rows)."""
-    per_row = forward_backward_seconds(params, 256) / 256
-    return max(8, round(target / per_row))
-
-
-class PeakRss:
-    """The peak resident memory while in a ``with``, sampled every millisecond."""
-
-    def __enter__(self) -> PeakRss:
-        self.peak, self._done = 0, threading.Event()
-        process = psutil.Process()
-
-        def sample() -> None:
-            while not self._done.is_set():
-                self.peak = max(self.peak, process.memory_info().rss)
-                time.sleep(0.001)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, cache: int, overlapped: bool) -> dict:
     """``steps`` steps on a fresh run directory; each step's wall time, and the update's stats.
 
@@ -176,20 +128,22 @@ def train(path: jax_mlp.Path, root: str, params: dict, rows: int, steps: int, ca
     )
     tx = optax.chain(optax.clip_by_global_norm(CLIP), offload)
     grads_of = jax.jit(jax.grad(lambda p, x: loss(offload.overlap(p) if overlapped else p, x)))
-    x = jnp.ones((rows, params["l0"].shape[0]))
-    seconds, stats = [], []
+    x = batch(params, rows)
     with offload, PeakRss() as rss:
-        state = tx.init(params)
-        for _ in range(steps):
-            start = time.perf_counter()
-            updates, state = tx.update(grads_of(params, x), state, params)
-            params = jax.block_until_ready(optax.apply_updates(params, updates))
-            seconds.append(time.perf_counter() - start)
-            stats.append(offload.stats)
+        seconds, stats = timed_steps(tx, offload, grads_of, params, x, steps)
         offload.close(delete=True)
+    if overlapped:
+        spans = {
+            "median_step_s": seconds[2:5],
+            "trial_split_step_s": seconds[6:TRIAL],
+            "chosen_step_s": seconds[TRIAL:],
+        }
+    else:
+        spans = {"median_step_s": seconds[1:]}
     return {
         "step_s": seconds,
-        "median_step_s": statistics.median(seconds[1:]),
+        **{name: statistics.median(span) for name, span in spans.items()},
+        "fallback": [s.overlap_fallback for s in stats],
         "overlapped": [s.overlapped for s in stats],
         "rolled_back": sum(s.rolled_back for s in stats),
         "peak_rss": rss.peak,
@@ -231,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             for run in range(args.runs):
                 forward_backward = forward_backward_seconds(params, rows)
                 split = train(path, f"split{run}", params, rows, args.steps, cache, overlapped=False)
-                overlapped = train(path, f"overlap{run}", params, rows, args.steps, cache, overlapped=True)
+                overlapped = train(path, f"overlap{run}", params, rows, TRIAL + args.steps, cache, overlapped=True)
                 ideal = max(forward_backward, disk) + compute
                 model = predicted_steps(speed, params, split["num_records"], cache, forward_backward, compute)
                 runs.append(
@@ -241,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "overlapped": overlapped,
                         "ideal_s": ideal,
                         "overlapped_over_ideal": overlapped["median_step_s"] / ideal,
+                        "chosen_over_ideal": overlapped["chosen_step_s"] / ideal,
+                        "chosen_over_split": overlapped["chosen_step_s"] / split["median_step_s"],
                         "split_over_ideal": split["median_step_s"] / ideal,
                         "model_s": model,
                         "model_error": {
@@ -254,12 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
     result["worst_overlapped_over_ideal"] = max(
         r["overlapped_over_ideal"] for f in result["factors"] for r in f["runs"]
     )
+    result["worst_chosen_over_split"] = max(r["chosen_over_split"] for f in result["factors"] for r in f["runs"])
     result["worst_model_error"] = max(
         abs(e) for f in result["factors"] for r in f["runs"] for e in r["model_error"].values()
     )
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print_and_save(result, out / f"overlap_{args.devices}_{layers}x{args.width}.json")
+    print_and_save(result, pathlib.Path(args.out) / f"overlap_{args.devices}_{layers}x{args.width}.json")
     return result
 
 
