@@ -41,12 +41,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from common import RECORD_HEADER, jax_mlp_json, parse_with_smoke, print_and_save, probe
-from tanh_mlp import PeakRss, batch, forward_backward_seconds, loss, make_params, rows_for, timed_steps
+from tanh_mlp import TRIAL, PeakRss, batch, forward_backward_seconds, loss, make_params, rows_for, timed_steps
 
 import jax_mlp
-
-TRIAL = 9
-"""Steps of ``overlap_mode="timed"``'s first trial: 0-1 untimed, 2-4 overlapped, 5 untimed, 6-8 split."""
 
 CLIP = 1e9
 """The chain's ``clip_by_global_norm``: far above these grads' norm."""

@@ -1,8 +1,8 @@
 """The model the step benchmarks train, as users write it, and what they measure beside it.
 
 Tanh layers of one width in a dict ``l0``, ``l1``, ... (flattening sorts those keys as strings), their
-loss, the batch whose forward and backward take a given time, a timed training loop, and the peak RSS
-of a block of code.
+loss, the batch whose forward and backward take a given time, a timed training loop, the steps of the
+library's first trial of the overlap (``TRIAL``), and the peak RSS of a block of code.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import optax
 import psutil
 
 import jax_mlp
+
+TRIAL = 9
+"""Steps of ``overlap_mode="timed"``'s first trial: 0-1 untimed, 2-4 overlapped, 5 untimed, 6-8 split."""
 
 
 def make_params(layers: int, width: int, dtype=jnp.float32) -> dict:

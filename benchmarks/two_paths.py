@@ -40,12 +40,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from common import parse_with_smoke, print_and_save, probe
-from tanh_mlp import batch, loss, make_params, timed_steps
+from tanh_mlp import TRIAL, batch, loss, make_params, timed_steps
 
 import jax_mlp
-
-TRIAL = 9
-"""Steps of ``overlap_mode="timed"``'s first trial: 0-1 untimed, 2-4 overlapped, 5 untimed, 6-8 split."""
 
 ROUTES = {
     "fast_alone": {"paths": ("fast",), "overlap": None},
