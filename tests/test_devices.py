@@ -67,7 +67,7 @@ def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_an
     """The thrashing seen on kernel-throttled devices: a path with few records looked fast (a burst after each
     pause) and got them back, every update (main's scheduler moved 10-22 subgroups every other update here). The
     placement has to settle: records do not go back the way they came unless a path changed or the measured
-    update says the move did not pay (then all at once)."""
+    update says the move did not pay (then all at once). The first split comes from the init's own writes."""
     fast, slow = fast_and_slow
     params = {"w": jnp.full((2048, 2048), 0.5, jnp.float32)}  # 32 MiB of adam state: 32 subgroups of 1 MiB
     tx = jax_mlp.mlp_offload(
@@ -75,6 +75,7 @@ def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_an
     )
     state = tx.init(params)
     scheduler = tx.scheduler
+    init_moves = tx.stats.moves
     placements, moves = [list(scheduler.placement)], []
     try:
         for step in range(16):
@@ -85,7 +86,8 @@ def test_placement_on_real_throttled_devices_settles_without_moving_back(fast_an
     finally:
         tx.close(delete=True)
     records = len(placements[0])
-    assert sum(moves) > 0, "the equal starting split does not fit paths 4 times apart"
+    assert init_moves > 0, "the equal starting split does not fit paths 4 times apart: the init's writes move it"
+    assert 0.05 <= placements[0].count(1) / records <= 0.4, f"split before the first update: {placements[0]}"
     # Updates of 0.2 s on a shared machine: a throttle's bursts can stay away for a few updates in a row, which looks
     # like a change of the path and moves a few records (2-5 in the last 5 updates, in about 1 run in 20). Thrashing
     # moved 43-55 in the last 5 updates here; a fallback onto the slow path (its 3 records moved inside its bursts, so

@@ -439,3 +439,21 @@ def test_moves_that_make_the_measured_update_slower_are_undone_and_nothing_moves
     for _ in range(2):  # the slow path changes: twice as slow, twice in a row
         observe_paths(scheduler, (0.1, 0.8), Measured(2.0, 2.0))
     assert scheduler.last_moves > 0
+
+
+def test_a_switch_between_the_backward_s_order_and_the_split_one_lets_records_go_back():
+    """The timed overlap switches between the orders; each makes other loads, and a placement the backward's order
+    made (on paths 6x apart, all on the fast one) must not bind the split steps after it."""
+    scheduler = Scheduler([RECORD] * RECORDS, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    for _ in range(6):
+        observe_paths(scheduler, (0.1, 0.4))
+    on_slow = scheduler.placement.count(1)
+    for faster in (1.35, 1.35**2, 1.35**3):  # the slow path looks faster and faster, each time less than a change
+        for _ in range(2 * WINDOW):
+            observe_paths(scheduler, (0.1, 0.4 / faster))
+    assert scheduler.placement.count(1) == on_slow, "nothing goes back the way it came"
+    scheduler.follow(range(RECORDS - 1, -1, -1))
+    scheduler.follow(None)
+    for _ in range(HOLD):
+        observe_paths(scheduler, (0.1, 0.4 / 1.35**3))
+    assert scheduler.placement.count(1) > on_slow, "the split steps' loads are the paths' again"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from jax_mlp._src.plan import partition
 from jax_mlp._src.schedule import performance as model
 from jax_mlp._src.schedule.estimates import MIN_SAMPLES, WINDOW
 from jax_mlp._src.schedule.performance import PathSpeed
-from jax_mlp._src.schedule.scheduler import Scheduler, weighted_interleave
+from jax_mlp._src.schedule.scheduler import Measured, Scheduler, weighted_interleave
 from jax_mlp._src.stats import format_bytes
 from jax_mlp._src.storage import capacity
 from jax_mlp._src.storage.bandwidth import probe
@@ -72,6 +73,78 @@ def test_the_loads_the_placement_balances_leave_out_what_runs_on_or_comes_from_m
     loads = scheduler.loads(200)
     assert [k for k, r in enumerate(loads.read) if r] == [2, 3, 4, 5, 6, 7, 8, 9], "all but the cached 1 and 0"
     assert [k for k, w in enumerate(loads.write) if w] == [5, 6, 7, 8, 9], "and written during it but 4, 3, 2"
+
+
+def test_the_pipeline_fill_is_a_record_on_a_path_the_shares_draw():
+    """Not on the slowest path: with 7 in 8 records on a path 6x faster, a slowest-path fill predicted +75%."""
+    fast, slow = PathSpeed("fast", 300e6, 300e6), PathSpeed("slow", 50e6, 50e6)
+    one = model.predict([fast, slow], num_records=8, record_bytes=50e6, shares=(0.875, 0.125))
+    assert one.fill_seconds == pytest.approx(2 * 50e6 * (0.875 / 300e6 + 0.125 / 50e6))
+    alone = model.predict([fast], num_records=8, record_bytes=50e6)
+    assert alone.fill_seconds == pytest.approx(2 * 50e6 / 300e6)
+
+
+def test_every_record_is_written_once_a_step_during_the_update_or_in_the_idle_time_after():
+    for run_on, held, cache in ((3, True, 200), (0, False, 200), (3, True, 1000), (3, False, 0)):
+        scheduler = Scheduler([100] * 10, [PathSpeed("a", 1e8, 1e8)], run_on=run_on, held=held)
+        loads = scheduler.loads(cache)
+        assert [w + i for w, i in zip(loads.write, loads.idle_write, strict=True)] == [100.0] * 10, (run_on, cache)
+        scheduler.follow(range(9, -1, -1))
+        loads = scheduler.loads(cache)
+        assert [w + i for w, i in zip(loads.write, loads.idle_write, strict=True)] == [100.0] * 10, (run_on, cache)
+
+
+def test_idle_time_writes_that_do_not_fit_between_updates_count_against_their_path():
+    """With a long forward and backward the writes after an update are free; with a small batch they are not, and a
+    split that balances only the update's own writes leaves the slow path the bound (4 : 4 stayed on paths 2x apart)."""
+    fast, slow = PathSpeed("fast", 300e6, 300e6, serial=0.0), PathSpeed("slow", 150e6, 150e6, serial=0.0)
+    loads = model.Loads(read=[0.0] * 4, write=[100e6, 0.0, 0.0, 0.0], idle_write=[0.0, 100e6, 100e6, 100e6])
+    even, favours_fast = [0, 1, 0, 1], [0, 0, 0, 1]
+    assert loads.seconds([fast, slow], even, even) == loads.seconds([fast, slow], favours_fast, favours_fast)
+    short = model.Loads(loads.read, loads.write, loads.idle_write, idle_seconds=0.1)
+    assert short.seconds([fast, slow], even, even) == pytest.approx(2e8 / 150e6 - 0.1)
+    assert short.seconds([fast, slow], favours_fast, favours_fast) == pytest.approx(3e8 / 300e6 - 0.1)
+    assert short.shares([fast, slow])[0] == pytest.approx(2 / 3, abs=1e-6), "the whole step's bytes, split 2 : 1"
+
+
+def test_the_measured_time_between_updates_moves_records_the_update_alone_would_leave():
+    """8 records on paths 2x apart, a cache of 2 and 4 writes running on (the two-device benchmark's 4 : 4)."""
+    record = 48 * 2**20
+    rates = (300e6, 150e6)
+
+    def run(idle: float) -> Scheduler:
+        scheduler = Scheduler(
+            [record] * 8, [PathSpeed("fast", 1e9, 1e9, 0.0), PathSpeed("slow", 1e9, 1e9, 0.0)], run_on=4, held=True
+        )
+        for _ in range(MIN_SAMPLES + 1):  # each path reads its 3 uncached records and writes its 4, each way apart
+            usages = [
+                Usage(3 * record, 4 * record, 4 * record / rate, 3 * record / rate, 4 * record / rate) for rate in rates
+            ]
+            scheduler.observe(usages, 2 * record, Measured(8 * record / rates[1], 8 * record / rates[1], idle))
+        return scheduler
+
+    assert run(math.inf).placement.count(0) == 4, "balanced in the update's own loads: nothing to gain"
+    assert run(0.05).idle_seconds == pytest.approx(0.05)
+    assert run(0.05).placement.count(0) > 4, "the step's writes on the slow path are the update's bound"
+
+
+def test_the_first_split_follows_the_rates_of_the_init_s_writes():
+    record = 2**20
+    equal = [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)]
+
+    def init_writes(rates, held=(8, 8)):
+        return [Usage(0, n * record, n * record / r, 0.0, n * record / r) for n, r in zip(held, rates, strict=True)]
+
+    scheduler = Scheduler([record] * 16, equal)
+    scheduler.start(init_writes((300e6, 100e6)))
+    assert scheduler.placement.count(0) == 12 and scheduler.last_moves == 4, "three quarters on the 3x faster path"
+    assert scheduler.shares == pytest.approx((0.75, 0.25))
+    fixed = Scheduler([record] * 16, equal, rebalance=False)
+    fixed.start(init_writes((300e6, 100e6)))
+    assert fixed.placement.count(0) == 8, "rebalance=False keeps the split it started with"
+    nothing = Scheduler([record] * 16, equal)
+    nothing.start(init_writes((300e6, 100e6), held=(8, 0)))
+    assert nothing.placement.count(0) == 8, "a path that wrote nothing tells nothing"
 
 
 def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():

@@ -69,7 +69,8 @@ class Prediction(NamedTuple):
     ``idle_io_seconds`` is the I/O the update leaves to the idle time around it (the write-back of the
     cache, the first reads ahead): it has to fit in the forward and backward, or the update waits.
     ``fill_seconds`` is the pipeline's fill: the first record's read (unless read ahead) before any
-    write can start, and the last record's write after its compute.
+    write can start, and the last record's write after its compute, each on a path drawn by the shares
+    (the placement interleaves them, so the first and last records are no more often on the slowest).
     """
 
     seconds: float
@@ -195,10 +196,9 @@ def predict(
         factor * p.both_ways(s * record_bytes * early / p.read_bandwidth, s * record_bytes * idle / p.write_bandwidth)
         for p, s in zip(paths, shares, strict=True)
     )
-    used = [p for p, s in zip(paths, shares, strict=True) if s > 0]
-    fill = record_bytes / min(p.write_bandwidth for p in used) if writes else 0.0
+    fill = sum(s * record_bytes / p.write_bandwidth for p, s in zip(paths, shares, strict=True)) if writes else 0.0
     if reads and not early:
-        fill += record_bytes / min(p.read_bandwidth for p in used)
+        fill += sum(s * record_bytes / p.read_bandwidth for p, s in zip(paths, shares, strict=True))
     seconds = max(max(path_seconds), compute_seconds) + fill + max(0.0, idle_seconds_needed - idle_seconds)
     return Prediction(
         seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed, fill
@@ -262,23 +262,44 @@ def predict_step(
 
 
 class Loads:
-    """The bytes each record adds to its path during an update, averaged over the next two steps' orders.
+    """The bytes each record adds to its path in a step, averaged over the next two steps' orders.
+
+    An update's own reads and writes (``read``, ``write``) are on its critical path; the step's other
+    writes (``idle_write``: the cache's write-back, the writes that run on past the update) have the
+    ``idle_seconds`` between updates, and what does not fit there delays the next update on its path.
+    Every record is written once a step, so with a short forward and backward (a small batch) the
+    whole step's bytes decide, not the update's alone.
 
     Args:
       read: bytes each record is read for during an update (0 when the host cache serves it).
       write: bytes each record is written for during an update (0 when written back in idle time).
+      idle_write: bytes each record is written for in the idle time after an update.
+      idle_seconds: the time between updates that the idle-time writes have (infinite: all of them fit).
     """
 
-    def __init__(self, read: Sequence[float], write: Sequence[float]):
+    def __init__(
+        self,
+        read: Sequence[float],
+        write: Sequence[float],
+        idle_write: Sequence[float] | None = None,
+        idle_seconds: float = math.inf,
+    ):
         self.read, self.write = list(read), list(write)
+        self.idle_write = list(idle_write) if idle_write is not None else [0.0] * len(self.write)
+        self.idle_seconds = idle_seconds
 
     def seconds(self, speeds: Sequence[PathSpeed], read_from: Sequence[int], write_to: Sequence[int]) -> float:
         """The slowest path's busy time, records read from ``read_from`` and written to ``write_to``."""
-        read, write = [0.0] * len(speeds), [0.0] * len(speeds)
+        read, write, idle = [0.0] * len(speeds), [0.0] * len(speeds), [0.0] * len(speeds)
         for k, (source, target) in enumerate(zip(read_from, write_to, strict=True)):
             read[source] += self.read[k]
             write[target] += self.write[k]
-        return max(speed.seconds(r, w) for speed, r, w in zip(speeds, read, write, strict=True))
+            idle[target] += self.idle_write[k]
+        return max(self._busy(*path) for path in zip(speeds, read, write, idle, strict=True))
+
+    def _busy(self, speed: PathSpeed, read: float, write: float, idle_write: float) -> float:
+        """A path's busy time in an update: its own I/O, or the step's less the idle time, whichever is longer."""
+        return max(speed.seconds(read, write), speed.seconds(read, write + idle_write) - self.idle_seconds)
 
     def shares(self, speeds: Sequence[PathSpeed]) -> tuple[float, ...]:
         """Shares of the records per path that make all paths finish together.
@@ -286,16 +307,17 @@ class Loads:
         Found by bisection on the common finishing time, since a burst makes a path's time
         not proportional to its share.
         """
-        read, write = sum(self.read), sum(self.write)
+        read, write, idle = sum(self.read), sum(self.write), sum(self.idle_write)
 
         def share_within(speed: PathSpeed, seconds: float) -> float:
             low, high = 0.0, 1.0
             for _ in range(40):
                 middle = (low + high) / 2
-                low, high = (middle, high) if speed.seconds(middle * read, middle * write) <= seconds else (low, middle)
+                busy = self._busy(speed, middle * read, middle * write, middle * idle)
+                low, high = (middle, high) if busy <= seconds else (low, middle)
             return low
 
-        low, high = 0.0, min(speed.seconds(read, write) for speed in speeds)
+        low, high = 0.0, min(self._busy(speed, read, write, idle) for speed in speeds)
         for _ in range(40):
             middle = (low + high) / 2
             low, high = (low, middle) if sum(share_within(s, middle) for s in speeds) >= 1 else (middle, high)

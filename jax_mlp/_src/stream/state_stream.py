@@ -22,6 +22,7 @@ as data and returns what it moved, which the stream counts.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -85,6 +86,7 @@ class Transaction(NamedTuple):
       locations: where every stored record was before the update.
       background_wait: seconds waited for the previous update's idle-time writes.
       cached: the subgroups whose new records the host cache keeps (None: its LRU decides).
+      idle: seconds since the last update ended (infinite: none has), the time its idle-time writes had.
     """
 
     step: int
@@ -93,6 +95,7 @@ class Transaction(NamedTuple):
     locations: Locations
     background_wait: float
     cached: frozenset[int] | None
+    idle: float
 
     def describer(self, roots: Sequence[str]) -> Callable[[int], str]:
         """Names a subgroup and the paths (``roots``) it is read from and written to, for a hung transfer's message."""
@@ -175,6 +178,7 @@ class StateStream:
         self._total_compiles = 0
         self._open: Transaction | None = None  # the transaction begun and not yet ended or aborted
         self._run_on: RunOn | None = None  # the last update's writes still running on
+        self._finished_at: float | None = None  # when the last update (or the init) was committed
 
     # ----------------------------------------------------------------------------- filling the tiers
 
@@ -238,7 +242,7 @@ class StateStream:
             return computed
 
         timings = self.engine.pipeline(order, fetch, compute_noting_shared, self._storer(step, placement))
-        self._finish(step, timings, compiles_on_this_thread() - compiles, notes=self._init_notes)
+        self._finish(step, timings, compiles_on_this_thread() - compiles, notes=self._init_notes, whole_state=True)
         self.engine.wait_background()
 
     # ----------------------------------------------------------------------------- one update
@@ -297,12 +301,13 @@ class StateStream:
         cache to the params records of a layer-streamed step (whose forward reads them again).
         """
         self._check_closed_transaction("beginning an update")
+        idle = math.inf if self._finished_at is None else time.perf_counter() - self._finished_at
         background_wait = self._settle_writes()
         self.tiers.drop_moved()
         placement = tuple(self.scheduler.placement)
         cached = self.scheduler.cached(self.config.host_cache) if cache_state else frozenset()
         ahead = self.idle.take_ahead()
-        self._open = Transaction(self.step, placement, ahead, self.tiers.locations, background_wait, cached)
+        self._open = Transaction(self.step, placement, ahead, self.tiers.locations, background_wait, cached, idle)
         return self._open
 
     def stream_subgroups(
@@ -423,7 +428,7 @@ class StateStream:
         self._open = None
         self.step = transaction.step + 1
         in_memory = {} if self._run_on is None else self._run_on.in_memory
-        self._finish(self.step, timings, compiles, transaction.background_wait, notes, in_memory)
+        self._finish(self.step, timings, compiles, transaction.background_wait, notes, in_memory, transaction.idle)
         what = f"the end of update step {self.step}"
         peers.barrier(f"{self._peer_key}/update/{self.step}", self.config.peer_timeout, what)
 
@@ -487,17 +492,24 @@ class StateStream:
         extra_wait: float = 0.0,
         notes: Mapping[str, Any] = MappingProxyType({}),
         in_memory: Mapping[int, Any] = MappingProxyType({}),
+        idle: float = math.inf,
+        whole_state: bool = False,
     ) -> None:
         """Closes a step's accounting, then starts the idle-time I/O that overlaps the user's next forward pass.
 
         ``notes`` are further fields of its stats (those of the optimizer check, for an init); ``in_memory``
-        the records of ``step`` whose writes run on, by subgroup (their fields), which the reads ahead take.
+        the records of ``step`` whose writes run on, by subgroup (their fields), which the reads ahead take;
+        ``idle`` the seconds between the last update and this one. ``whole_state``: the step wrote the whole
+        state (an init or a restore), whose writes give the scheduler its first split.
         """
         ended = time.perf_counter()
         self._total_compiles += compiles
         usages = [path.traffic.take_usage() for path in self.tiers.paths]
         waited = timings.read_wait + timings.write_wait + extra_wait
-        self.scheduler.observe(usages, self.config.host_cache, Measured(timings.total + extra_wait, waited))
+        if whole_state:
+            self.scheduler.start(usages)
+        else:
+            self.scheduler.observe(usages, self.config.host_cache, Measured(timings.total + extra_wait, waited, idle))
         stats = update_stats(
             step,
             timings,
@@ -516,6 +528,7 @@ class StateStream:
         self.counters.reset()  # idle-time I/O started below counts towards the next update
         self.idle.after_update(step, in_memory)
         _report(self._on_stats, self.last_stats)
+        self._finished_at = time.perf_counter()
 
     @property
     def prefetched(self) -> tuple[int, ...]:
