@@ -24,6 +24,10 @@ import optax
 
 import jax_mlp
 
+RECORDS_IN_FLIGHT = 3
+"""Records the fused apply holds on the device: the subgroup computing (its fields and its results), and the one
+before it while the engine's stager copies it to the host."""
+
 
 class LivePeakRise:
     """Samples the bytes of live jax arrays every millisecond on a thread while in a ``with``;
@@ -97,8 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
         "host_cache": 8 * params_bytes,  # state (12 bytes per bf16 param) stays cached
     }
     rises = {route: measure(route, params_bytes, args.steps, **options) for route in ("optax", "apply")}
-    # The fused apply holds the fields of the subgroup computing, its results, and the writes in flight.
-    records = (args.write_depth + 2) * jax_mlp.parse_size(args.subgroup_size, name="--subgroup-size")
+    # The fused apply holds the fields of the subgroup computing, its results, and the one before it being staged
+    # to the host: three records, whatever write_depth (the writes in flight hold host copies).
+    records = RECORDS_IN_FLIGHT * jax_mlp.parse_size(args.subgroup_size, name="--subgroup-size")
     result = {
         "params_bytes": params_bytes,
         "subgroup_size": args.subgroup_size,

@@ -76,7 +76,7 @@ CHILD = textwrap.dedent(
                 die(subgroup=subgroup)
         return fetch(self, subgroup, step, **options)
 
-    def running(self, order, fetch, compute, store, *describe):
+    def running(self, order, fetch, compute, store, *describe, **stage):
         def computing(index, fetched):
             if updating == [KILLED_AT]:
                 calls.append(index)
@@ -84,7 +84,7 @@ CHILD = textwrap.dedent(
                     die(computed=len(calls) - 1)
             return compute(index, fetched)
 
-        return run(self, order, fetch, computing, store, *describe)
+        return run(self, order, fetch, computing, store, *describe, **stage)
 
     def writing(self, subgroup, slot, record):
         # "write": a record of step KILLED_AT + 1 inside update KILLED_AT; "writeback": a dirty cached

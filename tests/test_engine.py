@@ -1,18 +1,20 @@
-"""``stream/engine.py``: ``Engine.pipeline`` (reads ahead, compute in order, writes behind), its bounds, errors
-and timeouts; the idle-time reads ahead and writes behind, and ``ReadAhead``.
+"""``stream/engine.py``: ``Engine.pipeline`` (reads ahead, compute in order, staging, writes behind), its bounds,
+errors and timeouts; the idle-time reads ahead and writes behind, and ``ReadAhead``.
 
-The engine is policy-free: it is handed an order and three callables. These tests hand it plain functions
+The engine is policy-free: it is handed an order and three or four callables. These tests hand it plain functions
 that record what ran where and when it was allowed to, on the engine's real threads.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 
 import pytest
 
 from jax_mlp._src.errors import OffloadError
-from jax_mlp._src.stream.engine import Engine, ReadAhead, Turns
+from jax_mlp._src.stream.engine import Engine, ReadAhead
 
 WAIT = 30.0
 """Seconds a test waits for another thread before it gives up: a bound on a hang, never a measure."""
@@ -269,24 +271,84 @@ def test_the_last_run_on_stores_outlive_the_pipeline_and_their_error_names_the_k
         hung.set()
 
 
-def test_turns_run_in_their_order_whatever_thread_comes_first_and_a_missing_one_times_out():
-    turns, ran = Turns([2, 0, 1], timeout=WAIT), []
+class Computed:
+    """A computed value the test can watch die (a weak reference to it goes dead once nothing holds it)."""
 
-    def take(key):
-        with turns.turn(key):
-            ran.append(key)
+    def __init__(self, key):
+        self.key = key
 
-    threads = [threading.Thread(target=take, args=(key,)) for key in (1, 0, 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT)
-    assert ran == [2, 0, 1]
-    with turns.turn(7):  # not in the order: no wait
-        pass
-    hung = r"^staging subgroup 1 after the one before it did not finish within io_timeout=0\.2s"
-    with pytest.raises(OffloadError, match=hung), Turns([0, 1], timeout=0.2).turn(1):
-        pass
+
+def test_stagings_run_in_order_on_the_stager_thread_and_the_store_gets_what_staging_gave(make_engine):
+    order = [3, 1, 4, 0, 2, 6, 5]
+    staged, threads, stored = [], set(), {}
+
+    def stage(key, computed):
+        threads.add(threading.current_thread().name)
+        staged.append(key)
+        return f"staged {computed.key}"
+
+    make_engine().pipeline(order, lambda k: k, lambda k, _: Computed(k), stored.__setitem__, stage=stage)
+    assert staged == order and stored == {key: f"staged {key}" for key in order}
+    assert len(threads) == 1 and threads.pop().startswith("jax_mlp-stage")
+
+
+def test_at_most_two_computed_values_are_held_whatever_the_writes_in_flight(make_engine):
+    """Slow stores keep ``write_depth`` writes in flight; the computed values (device arrays, in an update) are
+    dropped once staged: when a key computes, only the one before it may still be alive (staging), and no store
+    starts while its key's computed value is."""
+    write_depth = 3
+    alive: weakref.WeakSet = weakref.WeakSet()
+    held_at_compute, alive_at_store = [], []
+    writing, most_writing = set(), []
+    lock = threading.Lock()
+
+    def compute(key, _):
+        held_at_compute.append(len(alive))
+        computed = Computed(key)
+        alive.add(computed)
+        return computed
+
+    def store(key, _):
+        with lock:
+            alive_at_store.append(key in {c.key for c in alive})
+            writing.add(key)
+            most_writing.append(len(writing))
+        time.sleep(0.05)
+        with lock:
+            writing.discard(key)
+
+    engine = make_engine(write_depth=write_depth)
+    engine.pipeline(range(10), lambda k: k, compute, store, stage=lambda key, computed: computed.key)
+    assert max(held_at_compute) <= 1, held_at_compute
+    assert not any(alive_at_store) and not alive
+    assert max(most_writing) == write_depth, "the writes still trail write_depth deep"
+
+
+def test_a_failed_or_hung_staging_reaches_the_caller_named_by_describe(make_engine):
+    engine = make_engine(io_timeout=0.5)
+
+    def failing(key, value):
+        if key == 2:
+            raise Failed("staging 2 failed")
+        return value
+
+    stored = []
+    with pytest.raises(Failed, match="staging 2 failed"):
+        engine.pipeline(range(6), lambda k: k, lambda k, v: v, lambda k, v: stored.append(k), stage=failing)
+    assert set(stored) <= {0, 1}, "nothing from the failed staging on is stored (store 1 may be cancelled)"
+    hung = threading.Event()
+    try:
+        with pytest.raises(OffloadError, match=r"^staging record 1 on /nvme did not finish within io_timeout=0\.5s"):
+            engine.pipeline(
+                range(4),
+                lambda k: k,
+                lambda k, v: v,
+                lambda k, v: None,
+                "record {} on /nvme".format,
+                stage=lambda k, v: hung.wait(WAIT) if k == 1 else v,
+            )
+    finally:
+        hung.set()
 
 
 def test_reads_ahead_are_held_by_key_and_each_is_taken_once(make_engine):

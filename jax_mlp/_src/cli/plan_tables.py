@@ -7,7 +7,15 @@ import os
 from collections.abc import Sequence
 
 from jax_mlp._src.cli.ablation import Variant
-from jax_mlp._src.cli.sizing import PROCESS_BYTES, Compute, Workload, device_memory, host_memory, link_seconds
+from jax_mlp._src.cli.sizing import (
+    FUSED_RECORDS,
+    PROCESS_BYTES,
+    Compute,
+    Workload,
+    device_memory,
+    host_memory,
+    link_seconds,
+)
 from jax_mlp._src.cli.speeds import path_needs, record_sizes
 from jax_mlp._src.parsing import format_bytes, parse_size
 from jax_mlp._src.schedule.performance import PathSpeed, Prediction
@@ -49,7 +57,7 @@ def print_device(args: argparse.Namespace, work: Workload, param_dtype: str) -> 
     """Per device: the params, the grads and the peak an update adds, by route."""
     device = device_memory(work)
     updates = "fp32 (the master's)" if args.master else param_dtype
-    in_flight = f"{work.write_depth + 2} records: the subgroup computing (in and out), {work.write_depth} being written"
+    in_flight = f"{FUSED_RECORDS} records: the subgroup computing (in and out), the one before it being staged"
     if work.params_in_host:
         print(
             f"per device: params and grads in host memory, in {param_dtype}, streamed through the devices a layer at "

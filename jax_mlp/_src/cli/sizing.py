@@ -124,6 +124,11 @@ class Workload(NamedTuple):
         return self.record_bytes / self.state_bytes_per_param * (2 * self.param_bytes + self.update_bytes)
 
 
+FUSED_RECORDS = 3
+"""Records the fused ``apply`` holds on a device: the subgroup computing (its state in and out) and the one
+before it while the engine's stager copies it to the host; its writes in flight hold host copies only."""
+
+
 class DeviceMemory(NamedTuple):
     """Bytes on one device: what it holds through the step, and what an update adds on top, by route.
 
@@ -145,17 +150,18 @@ def device_memory(work: Workload) -> DeviceMemory:
 
     The optax route holds the tree of updates (the master's dtype when there is one: fp32 updates of
     bf16 params take twice their bytes), plus the larger of the records on the device while the update
-    streams (``prefetch_depth + write_depth + 1``: read ahead, computing, being written back) and the
-    new params that ``optax.apply_updates`` makes beside the old. The fused ``apply`` donates the params
-    and frees each gradient after its last subgroup, so it adds only the records of the subgroup
-    computing (its state in and out) and of the writes in flight: ``write_depth + 2``. In
-    docs/efficiency.md's measured setup (64 MiB of bf16 params, 8 MiB subgroups, an fp32 master) this
-    gives 3.0× and 0.5× the params, against 2.83× (4.0× on the first step) and 0.5–0.58× measured.
+    streams (``prefetch_depth + 2``: read ahead, computing, being staged to the host) and the new params
+    that ``optax.apply_updates`` makes beside the old. The fused ``apply`` donates the params and frees
+    each gradient after its last subgroup, so it adds only the records of the subgroup computing (its
+    state in and out) and of the one before it being staged to the host: :data:`FUSED_RECORDS`, whatever
+    ``write_depth``, since the writes in flight hold host copies only. In docs/efficiency.md's measured
+    setup (64 MiB of bf16 params, 8 MiB subgroups, an fp32 master) this gives 3.0× and 0.375× the params,
+    against 3.0× (4.0× on the first step) and 0.33–0.375× measured.
 
     With the params in host memory, a device holds two layers of params (the one computing, whole
     once FSDP gathered it, and the next coming in) and two of grads (going out), and an update adds
-    to either route's records the blocks of the subgroups in flight (``write_depth + 2``: the one
-    computing, those being written, one on its way back), never a tree of updates.
+    to either route's records the blocks of the subgroups whose programs may be in flight (at most
+    ``write_depth + 2``), never a tree of updates.
 
     Args:
       work: the run.
@@ -166,16 +172,16 @@ def device_memory(work: Workload) -> DeviceMemory:
     if work.params_in_host:
         layers = 2 * work.params / work.layers * work.param_bytes
         blocks = (work.write_depth + 2) * work.subgroup_blocks
-        records = (work.prefetch_depth + work.write_depth + 1) * work.record_bytes
-        return DeviceMemory(layers, layers, records + blocks, (work.write_depth + 2) * work.record_bytes + blocks)
+        records = (work.prefetch_depth + 2) * work.record_bytes
+        return DeviceMemory(layers, layers, records + blocks, FUSED_RECORDS * work.record_bytes + blocks)
     params = work.params / work.devices * work.param_bytes
-    streaming = (work.prefetch_depth + work.write_depth + 1) * work.record_bytes
+    streaming = (work.prefetch_depth + 2) * work.record_bytes
     updates = work.params / work.devices * work.update_bytes
     return DeviceMemory(
         params=params,
         grads=params,
         optax_route=updates + max(streaming, params),
-        fused_apply=(work.write_depth + 2) * work.record_bytes,
+        fused_apply=FUSED_RECORDS * work.record_bytes,
     )
 
 

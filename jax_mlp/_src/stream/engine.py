@@ -1,7 +1,9 @@
-"""The pipeline: reads ahead on reader threads, computes on the caller's thread, writes behind.
+"""The pipeline: reads ahead on reader threads, computes on the caller's thread, stages, writes behind.
 
-The engine is policy-free: it is handed an order and three callables and knows nothing of optax,
-records or paths. Every error raised on any thread reaches the caller of :meth:`Engine.pipeline`, and
+The engine is policy-free: it is handed an order and three or four callables and knows nothing of optax,
+records or paths. A computed value may hold device memory that its write would hold for the write's
+whole length; a ``stage`` callable turns it into what the write needs (the host copy) on one stager
+thread, one or two values at a time, so the writes trail behind holding host memory only. Every error raised on any thread reaches the caller of :meth:`Engine.pipeline`, and
 every wait is bounded by ``io_timeout``, so a failure never hangs.
 """
 
@@ -9,10 +11,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from jax_mlp._src.errors import OffloadError
@@ -33,7 +34,7 @@ class Engine:
     Args:
       prefetch_depth: subgroups read ahead of the one being computed (reader threads).
       write_depth: computed subgroups whose stores may be in flight at once (writer threads).
-      io_timeout: seconds a single read or store may take before it counts as hung.
+      io_timeout: seconds a single read, staging or store may take before it counts as hung.
     """
 
     def __init__(self, prefetch_depth: int, write_depth: int, io_timeout: float):
@@ -41,6 +42,7 @@ class Engine:
         self.write_depth = write_depth
         self.io_timeout = io_timeout
         self._readers = concurrent.futures.ThreadPoolExecutor(prefetch_depth, thread_name_prefix="jax_mlp-read")
+        self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_mlp-stage")
         self._writers = concurrent.futures.ThreadPoolExecutor(write_depth, thread_name_prefix="jax_mlp-write")
         self._background: list[tuple[str, concurrent.futures.Future]] = []  # (what it does, the work)
 
@@ -66,17 +68,21 @@ class Engine:
         store: Callable[[int, Any], None],
         describe: Callable[[int], str] = "subgroup {}".format,
         run_on: int = 0,
+        stage: Callable[[int, Any], Any] | None = None,
     ) -> Timings:
-        """Runs ``store(k, compute(k, fetch(k)))`` for each ``k`` in ``order``, pipelined.
+        """Runs ``store(k, stage(k, compute(k, fetch(k))))`` for each ``k`` in ``order``, pipelined.
 
         ``fetch`` runs on reader threads up to ``prefetch_depth`` ahead, ``compute`` on this thread
-        in order, and ``store`` on writer threads with at most ``write_depth`` in flight. The stores
-        have finished when ``pipeline`` returns, but for those of the last ``run_on`` keys, which run
-        on as background work (:meth:`wait_background`). ``describe(k)`` names ``k`` (and where it
-        lives) in a timeout's message.
+        in order, ``stage`` (if given) on the stager thread in order, and ``store`` on writer threads
+        with at most ``write_depth`` in flight. A computed value is dropped once staged, and each waits
+        for the one before it to be staged, so at most two are held at once, whatever ``write_depth``:
+        the newest, and the one before it while it stages (what a computed value holds, device memory,
+        is never held for a write's length). The stagings have finished when ``pipeline`` returns, and
+        the stores too, but for those of the last ``run_on`` keys, which run on as background work
+        (:meth:`wait_background`). ``describe(k)`` names ``k`` (and where it lives) in a timeout's message.
 
         Returns:
-          The time spent waiting on reads, computing, and waiting on writes.
+          The time spent waiting on reads, computing, and waiting on stagings and writes.
 
         Raises:
           The first exception raised by any of the callables, after the others have settled.
@@ -84,6 +90,7 @@ class Engine:
         start = time.perf_counter()
         read_wait = compute_time = write_wait = 0.0
         reads = _ReadQueue(self._readers, fetch, order, self.prefetch_depth)
+        stagings: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
         writes: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
         try:
             for key, future in reads:
@@ -94,21 +101,51 @@ class Engine:
                 computed = compute(key, fetched)
                 del fetched
                 t2 = time.perf_counter()
-                self._drain(writes, self.write_depth - 1, describe)
-                t3 = time.perf_counter()
-                writes.append((key, self._writers.submit(store, key, computed)))
-                del computed
+                if stage is None:
+                    self._write(writes, store, key, computed, describe)
+                else:
+                    stagings.append((key, self._stager.submit(_letting_go(stage, key, computed))))
+                del computed  # its store or staging holds it now; a staging lets go of it as it returns
+                self._write_staged(stagings, 1, writes, store, describe)
                 read_wait += t1 - t0
                 compute_time += t2 - t1
-                write_wait += t3 - t2
-            t4 = time.perf_counter()
+                write_wait += time.perf_counter() - t2
+            t3 = time.perf_counter()
+            self._write_staged(stagings, 0, writes, store, describe)
             self._drain(writes, run_on, describe)
-            write_wait += time.perf_counter() - t4
+            write_wait += time.perf_counter() - t3
         except BaseException:
-            self.settle([f for _, f in reads.pending] + [f for _, f in writes])
+            self.settle([f for _, f in reads.pending] + [f for _, f in stagings] + [f for _, f in writes])
             raise
         self._background.extend((f"storing {describe(key)}", future) for key, future in writes)
         return Timings(time.perf_counter() - start, read_wait, compute_time, write_wait)
+
+    def _write_staged(
+        self,
+        stagings: collections.deque,
+        keep: int,
+        writes: collections.deque,
+        store: Callable[[int, Any], None],
+        describe: Callable[[int], str],
+    ) -> None:
+        """Waits for the oldest stagings until at most ``keep`` are in flight, and hands each to :meth:`_write`."""
+        while len(stagings) > keep:
+            key, future = stagings.popleft()
+            staged = self.result(future, f"staging {describe(key)}")
+            del future  # it holds the staged value too, which the write alone must hold
+            self._write(writes, store, key, staged, describe)
+
+    def _write(
+        self,
+        writes: collections.deque,
+        store: Callable[[int, Any], None],
+        key: int,
+        value: Any,
+        describe: Callable[[int], str],
+    ) -> None:
+        """Starts ``store(key, value)`` on a writer thread once fewer than ``write_depth`` stores are in flight."""
+        self._drain(writes, self.write_depth - 1, describe)
+        writes.append((key, self._writers.submit(store, key, value)))
 
     def _drain(self, writes: collections.deque, keep: int, describe: Callable[[int], str]) -> None:
         """Waits for the oldest stores until at most ``keep`` are in flight."""
@@ -148,6 +185,7 @@ class Engine:
     def close(self) -> None:
         """Stops the threads; work not yet started is dropped."""
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._stager.shutdown(wait=False, cancel_futures=True)
         self._writers.shutdown(wait=False, cancel_futures=True)
 
 
@@ -206,36 +244,15 @@ class ReadAhead:
             return futures
 
 
-class Turns:
-    """Lets blocks keyed by ``order`` run one at a time in that order, each waiting (at most ``timeout``) for
-    the one before it; keys not in ``order`` do not wait.
+def _letting_go(stage: Callable[[int, Any], Any], key: int, value: Any) -> Callable[[], Any]:
+    """``stage(key, value)`` as a call that holds ``value`` only until ``stage`` takes it.
 
-    An update stages its records so: what the cache keeps, evicts and holds for writing then follows the
-    update's order, not the writer threads' timing, and the records whose writes run on are the same in
-    every run.
+    An executor's work item keeps its arguments until after it has set the future's result, so the
+    caller could see a value staged while the stager thread still held it; this call's own reference
+    goes as ``stage`` starts, so it is gone by the time ``stage`` returns.
     """
-
-    def __init__(self, order: Sequence[int], timeout: float):
-        self._position = {key: i for i, key in enumerate(order)}
-        self._timeout = timeout
-        self._done = 0
-        self._condition = threading.Condition()
-
-    @contextlib.contextmanager
-    def turn(self, key: int) -> Iterator[None]:
-        position = self._position.get(key)
-        if position is None:
-            yield
-            return
-        with self._condition:
-            if not self._condition.wait_for(lambda: self._done >= position, self._timeout):
-                raise _hung(f"staging subgroup {key} after the one before it", self._timeout)
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._done = max(self._done, position + 1)
-                self._condition.notify_all()
+    held = [value]
+    return lambda: stage(key, held.pop())
 
 
 def _hung(what: str, timeout: float) -> OffloadError:

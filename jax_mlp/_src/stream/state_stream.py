@@ -13,9 +13,11 @@ keeping its results. One transaction is open at a time: the stream refuses to be
 or pin while one is (the offloader settles an overlapped one before any other use).
 
 The engine calls back up through callables: an update hands it this module's ``fetch`` (on reader
-threads; idle-time reads ahead call the same one), ``compute`` (on the caller's thread) and ``store``
-(on writer threads). Filling the tiers at init, restore or resume hands it its own fetch (nothing,
-or a checkpoint's reads) and compute, with the same store. The tier stack is told each record's path
+threads; idle-time reads ahead call the same one), ``compute`` (on the caller's thread), ``stage``
+(on the stager thread: the results to the host and into the tiers, after which their device arrays
+are dropped) and ``store`` (on writer threads: the writes of what was staged). Filling the tiers at
+init, restore or resume hands it its own fetch (nothing, or a checkpoint's reads) and compute, with
+the same stage and store. The tier stack is told each record's path
 as data and returns what it moved, which the stream counts.
 """
 
@@ -44,7 +46,7 @@ from jax_mlp._src.storage.paths import release_paths
 from jax_mlp._src.storage.record import HEADER_SIZE, RecordLayout
 from jax_mlp._src.storage.tier_stack import Locations, Pin, RecordIO, TierStack, Unwritten
 from jax_mlp._src.stream.blocks import Blocks, NewParams, Staging, UpdateBlocks
-from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings, Turns
+from jax_mlp._src.stream.engine import Engine, ReadAhead, Timings
 from jax_mlp._src.stream.idle import IdleIO
 from jax_mlp._src.stream.transfer import choose
 
@@ -241,7 +243,9 @@ class StateStream:
                 self.shared = [np.array(x) for x in self.programs.shared_of(self.plan.subgroups[index], computed[0])]
             return computed
 
-        timings = self.engine.pipeline(order, fetch, compute_noting_shared, self._storer(step, placement))
+        stage = self._stager(step, placement)
+        store = self._lander(self.counters.count)
+        timings = self.engine.pipeline(order, fetch, compute_noting_shared, store, stage=stage)
         self._finish(step, timings, compiles_on_this_thread() - compiles, notes=self._init_notes, whole_state=True)
         self.engine.wait_background()
 
@@ -326,10 +330,12 @@ class StateStream:
         in while it streams); the step is neither committed nor aborted here: :meth:`end` or :meth:`abort`.
         ``stored(k)``, if given, is called once subgroup k's records are stored.
 
-        With ``run_on``, the writes of the last ``write_depth`` subgroups run on past the return, so that the
-        next forward pass has the disks' write bandwidth too: their results are brought to the host and
-        staged (cached, or held in memory until written) on this thread, and the idle-time reads ahead take
-        the held ones from memory. The next :meth:`begin`, :meth:`flush` or :meth:`abort` waits for them.
+        Each subgroup's results are brought to the host and staged (cached, or held in memory until written)
+        on the engine's stager thread, in this step's order (so the cache's LRU sees that order), and their
+        device arrays dropped before their writes begin. With ``run_on``, the writes of the last
+        ``write_depth`` subgroups run on past the return, so that the next forward pass has the disks' write
+        bandwidth too: the idle-time reads ahead take their records from memory. The next :meth:`begin`,
+        :meth:`flush` or :meth:`abort` waits for them.
 
         Returns:
           Each block's result by (leaf, owner device id), the stream's timings, and its compile count.
@@ -360,29 +366,21 @@ class StateStream:
         order = self.scheduler.order(step)
         stage = self._stager(step + 1, transaction.placement, transaction.cached)
         behind = frozenset(order[max(0, len(order) - self.engine.write_depth) :] if run_on else ())
-        turns = Turns(order if behind else (), self.config.io_timeout)  # the cache's LRU sees the order
         self._run_on = running = RunOn({}, [])
+        land_behind, land = self._lander(running.landed.append), self._lander(self.counters.count)
 
-        def compute_staging(index: int, fetched: Any) -> Any:
-            computed = compute(index, fetched)
-            if index not in behind:
-                return computed
-            with turns.turn(index):
-                staged = stage(index, computed)
-            running.in_memory.update((u.subgroup, u.entry.fields) for u in staged if u.entry.step == step + 1)
+        def stage_noting_behind(index: int, computed: tuple) -> list[Unwritten]:
+            staged = stage(index, computed)
+            if index in behind:
+                running.in_memory.update((u.subgroup, u.entry.fields) for u in staged if u.entry.step == step + 1)
             return staged
 
-        def store(index: int, value: Any) -> None:
-            if index in behind:
-                self._land(value, running.landed.append)
-            else:
-                with turns.turn(index):
-                    staged = stage(index, value)
-                self._land(staged, self.counters.count)
+        def store(index: int, staged: list[Unwritten]) -> None:
+            (land_behind if index in behind else land)(index, staged)
             if stored is not None:
                 stored(index)
 
-        timings = self.engine.pipeline(order, fetch, compute_staging, store, describe, len(behind))
+        timings = self.engine.pipeline(order, fetch, compute, store, describe, len(behind), stage_noting_behind)
         return results.result(), timings, compiles_on_this_thread() - compiles
 
     def _fetch(self, index: int, step: int, *, keep: bool = False) -> Any:
@@ -455,21 +453,15 @@ class StateStream:
 
         return stage
 
-    def _land(self, staged: list[Unwritten], count: Callable[[RecordIO], None]) -> None:
-        """Writes what :meth:`_stager` staged, handing each write to ``count``."""
-        for unwritten in staged:
-            count(self.tiers.land(unwritten))
+    def _lander(self, count: Callable[[RecordIO], None]) -> Callable[[int, list[Unwritten]], None]:
+        """The writer threads' store: writes what :meth:`_stager` staged for a subgroup, handing each write to
+        ``count``. It holds host fields only: the results' device arrays went with the staging."""
 
-    def _storer(
-        self, step: int, placement: tuple[int, ...], cached: frozenset[int] | None = None
-    ) -> Callable[[int, tuple], None]:
-        """The writer threads' store for records of ``step``: :meth:`_stager`'s staging, then its writes, counted."""
-        stage = self._stager(step, placement, cached)
+        def land(_: int, staged: list[Unwritten]) -> None:
+            for unwritten in staged:
+                count(self.tiers.land(unwritten))
 
-        def store(index: int, computed: tuple) -> None:
-            self._land(stage(index, computed), self.counters.count)
-
-        return store
+        return land
 
     def _settle_writes(self) -> float:
         """Waits for the last update's writes that ran on and the idle-time write-back, counts the first, then
