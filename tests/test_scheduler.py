@@ -41,10 +41,13 @@ def test_interleaved_placement_follows_the_shares():
 
 def test_best_split_makes_paths_finish_together():
     paths = [PathSpeed("nvme", 5e9, 4e9), PathSpeed("pfs", 2e9, 1e9)]
+    shares = model.best_split(paths)
+    fast, slow = (path.seconds_per_byte * share for path, share in zip(paths, shares, strict=True))
+    assert abs(fast - slow) <= 1e-9 * fast and shares[0] > shares[1]
     prediction = model.predict(paths, num_records=100, record_bytes=1e8)
+    assert prediction.shares == model.whole_records(shares, 100), "in whole records"
     fast, slow = prediction.path_seconds
-    assert abs(fast - slow) <= 1e-9 * fast
-    assert prediction.shares[0] > prediction.shares[1]
+    assert abs(fast - slow) <= 1e8 * paths[1].seconds_per_byte, "together, to a record"
     assert model.predict(paths, num_records=100, record_bytes=1e8, shares=(0.5, 0.5)).seconds > prediction.seconds
 
 
@@ -82,6 +85,31 @@ def test_the_pipeline_fill_is_a_record_on_a_path_the_shares_draw():
     assert one.fill_seconds == pytest.approx(2 * 50e6 * (0.875 / 300e6 + 0.125 / 50e6))
     alone = model.predict([fast], num_records=8, record_bytes=50e6)
     assert alone.fill_seconds == pytest.approx(2 * 50e6 / 300e6)
+
+
+def test_the_model_splits_whole_records_and_streams_the_step_s_writes_that_the_idle_time_does_not_hide():
+    """On two devices 2x apart (the two-device benchmark's 8 records of 48 MiB, a cache of 2, 4 writes running on,
+    a forward and backward of 0.03 s), the update is bound by each step writing every record: 5 records on the fast
+    device and 3 on the slow one, not 5.33 and 2.67; the fill is inside that stream (it predicted 1.14 s for 0.95)."""
+    assert model.whole_records((2 / 3, 1 / 3), 8) == (0.625, 0.375)
+    assert model.whole_records((0.74, 0.26), 8) == (0.75, 0.25) and model.whole_records((0.5, 0.5), 0) == (0.5, 0.5)
+    fast, slow = PathSpeed("fast", 308e6, 308e6, serial=0.0), PathSpeed("slow", 161e6, 161e6, serial=0.0)
+    record = 48 * 2**20
+    one = model.predict(
+        [fast, slow],
+        num_records=8,
+        record_bytes=record,
+        cache_bytes=2 * record,
+        idle_seconds=0.03,
+        prefetch_records=4,
+        run_on=4,
+    )
+    assert one.shares == (0.625, 0.375)
+    assert one.seconds == pytest.approx(3 * record / 161e6 - 0.03), "the slow device's 3 records, less the idle time"
+    hidden = model.predict(
+        [fast, slow], num_records=8, record_bytes=record, cache_bytes=2 * record, prefetch_records=4, run_on=4
+    )
+    assert hidden.seconds == pytest.approx(max(hidden.path_seconds) + hidden.fill_seconds), "a long forward hides it"
 
 
 def test_every_record_is_written_once_a_step_during_the_update_or_in_the_idle_time_after():
