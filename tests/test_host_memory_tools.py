@@ -68,8 +68,10 @@ def test_plan_with_params_in_host_memory_streams_layers_and_adds_their_trips(cap
     layer = 1e6 / 4 * 2
     assert device["params, streamed"][0] == device["grads, streamed"][0] == format_bytes(2 * layer)
     blocks = (2 + 2) * MiB / 12 * (2 + 2 + 4)  # 4 subgroups in flight: grads and params in (bf16), updates out (fp32)
-    assert device["update adds, fused apply"][0] == format_bytes((2 + 2) * MiB + blocks)
-    assert device["update adds, optax route"][0] == format_bytes((2 + 2 + 1) * MiB + blocks)
+    assert device["update adds, fused apply"][0] == format_bytes(3 * MiB + blocks)  # computing (in, out), one staging
+    assert device["update adds, optax route"][0] == format_bytes(
+        (2 + 2) * MiB + blocks
+    )  # 2 read ahead, computing, staging
     assert node["params"][0] == node["grads"][0] == format_bytes(1e6 * 2)  # the node's share, in host RAM
     assert node["update adds, optax route"][0] == format_bytes(1e6 * (4 + 2))  # fp32 updates, new bf16 params
     cache, in_flight, staging = 2 * 2 * MiB, 2 * 5 * MiB, 2 * min(POOL_BYTES, 6e6)
@@ -86,7 +88,7 @@ def test_the_papers_70b_node_fits_with_params_in_host_memory_and_not_on_the_devi
     node = ["--params", "70B", "--master", "--master-storage", "full", "--nodes", "1", "--processes-per-node", "4"]
     node += ["--paths", "nvme=6.5GB/s:3GB/s", "lustre=3GB/s:2GB/s", "--host-memory", "512GB", "--device-memory", "40GB"]
     on_device = tables(capsys, *node, "--host-cache", "440GiB")
-    assert on_device["per device"]["peak, fused apply"][0] == "65.6 GiB"
+    assert on_device["per device"]["peak, fused apply"][0] == "65.4 GiB"
     assert on_device["per device"]["peak, fused apply"][1].startswith("WARNING: over --device-memory")
     in_host = tables(capsys, *node, "--host-cache", "200GiB", "--params-in", "host", "--layers", "80")
     for route in ("optax route", "fused apply"):
