@@ -217,9 +217,14 @@ def predict(
         factor * p.both_ways(s * record_bytes * early / p.read_bandwidth, s * record_bytes * idle / p.write_bandwidth)
         for p, s in zip(paths, shares, strict=True)
     )
-    write_fill = sum(s * record_bytes / p.write_bandwidth for p, s in zip(paths, shares, strict=True)) if writes else 0
-    read_fill = sum(s * record_bytes / p.read_bandwidth for p, s in zip(paths, shares, strict=True))
-    read_fill = read_fill if reads and not early else 0.0
+    write_fill = (
+        sum(s * record_bytes / p.write_bandwidth for p, s in zip(paths, shares, strict=True)) if writes else 0.0
+    )
+    read_fill = (
+        sum(s * record_bytes / p.read_bandwidth for p, s in zip(paths, shares, strict=True))
+        if reads and not early
+        else 0.0
+    )
     spill = max(0.0, idle_seconds_needed - idle_seconds)  # the idle-time I/O the next update waits for
     seconds = max(max(path_seconds), compute_seconds) + read_fill + max(write_fill, spill)
     fill = read_fill + write_fill

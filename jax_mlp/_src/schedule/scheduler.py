@@ -233,20 +233,22 @@ class Scheduler:
         if kept is not None:
             written = [k for k in self._followed if k not in kept]
             during = set(written[: max(0, len(written) - self.run_on)])
+            for k in written:
+                read[k] = float(self.record_bytes[k])
             for k in self._followed:
-                read[k] = float(self.record_bytes[k]) if k not in kept else 0.0
                 (write if k in during else idle)[k] = float(self.record_bytes[k])
             return Loads(read, write, idle, self.idle_seconds)
         for step in (0, 1):
             order = self.order(step)
             cached = _fitting(order, self.record_bytes, cache_bytes)
-            held = self.run_on if self.held else 0
-            first_read = len(order) if cached == len(order) else cached + held if self.order_kind == "alternate" else 0
-            for k in order[first_read:]:
-                read[k] += self.record_bytes[k] / 2
             during = max(0, len(order) - cached - self.run_on)
             for position, k in enumerate(order):
                 (write if position < during else idle)[k] += self.record_bytes[k] / 2
+            if cached == len(order):
+                continue
+            held = self.run_on if self.held else 0
+            for k in order[cached + held if self.order_kind == "alternate" else 0 :]:
+                read[k] += self.record_bytes[k] / 2
         return Loads(read, write, idle, self.idle_seconds)
 
     @property
@@ -288,15 +290,14 @@ class Scheduler:
         not measured yet are taken in the same ratio to the starting ones. The updates refine the split.
         """
         self._learn(usages)
-        rates = [u.bytes_written / u.write_busy_seconds if u.write_busy_seconds > 0 else 0.0 for u in usages]
-        if not self.rebalance or not all(rates):
+        if not self.rebalance or not all(estimate.largest("write") for estimate in self.estimates):
             return
         speeds = [
             estimate.start._replace(
-                read_bandwidth=estimate.start.read_bandwidth * rate / estimate.start.write_bandwidth,
-                write_bandwidth=rate,
+                read_bandwidth=estimate.start.read_bandwidth * speed.write_bandwidth / estimate.start.write_bandwidth,
+                write_bandwidth=speed.write_bandwidth,
             )
-            for estimate, rate in zip(self.estimates, rates, strict=True)
+            for estimate, speed in zip(self.estimates, self.speeds, strict=True)
         ]
         shares = best_split(speeds)
         self._move(shares, shift_placement(self.placement, self.record_bytes, shares))

@@ -1,10 +1,11 @@
 """The pipeline: reads ahead on reader threads, computes on the caller's thread, stages, writes behind.
 
-The engine is policy-free: it is handed an order and three or four callables and knows nothing of optax,
-records or paths. A computed value may hold device memory that its write would hold for the write's
-whole length; a ``stage`` callable turns it into what the write needs (the host copy) on one stager
-thread, one or two values at a time, so the writes trail behind holding host memory only. Every error raised on any thread reaches the caller of :meth:`Engine.pipeline`, and
-every wait is bounded by ``io_timeout``, so a failure never hangs.
+The engine is policy-free: it is handed an order and three or four callables and knows nothing of
+optax, records or paths. A computed value may hold device memory that its write would hold for the
+write's whole length; a ``stage`` callable turns it into what the write needs (the host copy) on one
+stager thread, one or two values at a time, so the writes trail behind holding host memory only.
+Every error raised on any thread reaches the caller of :meth:`Engine.pipeline`, and every wait is
+bounded by ``io_timeout``, so a failure never hangs.
 """
 
 from __future__ import annotations
