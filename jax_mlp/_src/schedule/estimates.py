@@ -23,6 +23,9 @@ MIN_SAMPLES = 3
 """Measurements of each direction a path needs before the split follows them."""
 DISTINCT_LOADS = 0.2
 """How much two updates' bytes on a path must differ for the pair to tell its rate from its burst."""
+THROTTLE_SLICE = 0.1
+"""Seconds of its rate a kernel throttle lets through at once after idle time: blk-throttle's time slice (cgroup v1's
+blkio and v2's io.max). One load cannot tell that burst from the rate: a first guess counts it (:meth:`PathEstimate.speed_assuming`)."""
 CHANGE = 1.5
 """How far outside the times the window saw for the same load an update must be, twice in a row in the same
 sense, to count as a change of the path."""
@@ -114,6 +117,11 @@ class PathEstimate:
             rate, burst = _fit(samples)
             self.credit[kind] = burst / rate
 
+    def _credit(self, kind: str, assumed: float) -> float:
+        """The burst last fitted across ``kind``'s loads, in seconds of its rate, else ``assumed``."""
+        credit = self.credit[kind]
+        return assumed if credit is None else credit
+
     def measured(self, kind: str) -> bool:
         """Whether ``kind`` (read or write) has enough measurements to be trusted: one since a change."""
         return len(self.samples[kind]) >= (1 if self.since_change[kind] else MIN_SAMPLES)
@@ -129,9 +137,20 @@ class PathEstimate:
     @property
     def speed(self) -> PathSpeed:
         """The estimate: each measured direction's fitted rate and burst, else the starting ones."""
+        return self.speed_assuming(0.0)
+
+    def speed_assuming(self, credit: float) -> PathSpeed:
+        """The estimate, a direction whose loads have not differed yet taken to burst ``credit`` seconds of its rate.
+
+        Args:
+          credit: seconds of its rate a direction not :meth:`fitted` lets through after idle time.
+
+        Returns:
+          The path's speed, its read and write rates and bursts.
+        """
         start = self.start
-        read = _fit(self.samples["read"], self.credit["read"] or 0.0) or (start.read_bandwidth, start.read_burst)
-        write = _fit(self.samples["write"], self.credit["write"] or 0.0) or (start.write_bandwidth, start.write_burst)
+        read = _fit(self.samples["read"], self._credit("read", credit)) or (start.read_bandwidth, start.read_burst)
+        write = _fit(self.samples["write"], self._credit("write", credit)) or (start.write_bandwidth, start.write_burst)
         serial = statistics.median(self.serial) if self.serial else start.serial
         return PathSpeed(start.name, read[0], write[0], serial, read[1], write[1])
 

@@ -40,7 +40,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from jax_mlp._src.schedule.estimates import CHANGE, WINDOW, PathEstimate, directions, far
+from jax_mlp._src.schedule.estimates import CHANGE, THROTTLE_SLICE, WINDOW, PathEstimate, directions, far
 from jax_mlp._src.schedule.performance import Loads, PathSpeed, best_split
 from jax_mlp._src.storage.traffic import Usage
 
@@ -286,19 +286,23 @@ class Scheduler:
         """Learns from the init's writes of the whole state, and splits the records as their rates call for.
 
         The init writes every record the cache does not keep, each path an even share or its declared one:
-        each path's write rate at a good part of the whole load, measured before any update. Read rates
+        each path's write rate at a good part of the whole load, measured before any update. One load
+        cannot tell a rate from a throttle's burst (a kernel-throttled path's whole share of a small state
+        can pass in one: 12 MiB in 13 ms at 120 MB/s), so each write is taken to have had one
+        ``THROTTLE_SLICE`` of its rate free, which a state of a few seconds' writes hardly feels. Read rates
         not measured yet are taken in the same ratio to the starting ones. The updates refine the split.
         """
         self._learn(usages)
         if not self.rebalance or not all(estimate.largest("write") for estimate in self.estimates):
             return
-        speeds = [
-            estimate.start._replace(
-                read_bandwidth=estimate.start.read_bandwidth * speed.write_bandwidth / estimate.start.write_bandwidth,
-                write_bandwidth=speed.write_bandwidth,
+        speeds = []
+        for estimate in self.estimates:
+            start, written = estimate.start, estimate.speed_assuming(THROTTLE_SLICE).write_bandwidth
+            speeds.append(
+                start._replace(
+                    read_bandwidth=start.read_bandwidth * written / start.write_bandwidth, write_bandwidth=written
+                )
             )
-            for estimate, speed in zip(self.estimates, self.speeds, strict=True)
-        ]
         shares = best_split(speeds)
         self._move(shares, shift_placement(self.placement, self.record_bytes, shares))
         self._flows.clear()  # measured at an even load, not inside a light path's bursts: nothing to keep from
