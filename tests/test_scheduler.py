@@ -182,6 +182,9 @@ def test_a_throttle_s_burst_in_the_init_s_writes_is_not_taken_for_its_rate():
     scheduler = Scheduler([record] * 32, [PathSpeed("fast", 1e9, 1e9), PathSpeed("slow", 1e9, 1e9)])
     scheduler.start([Usage(0, 12 * record, 0.013, 0.0, 0.013), Usage(0, 12 * record, 0.42, 0.0, 0.42)])
     assert 4 <= scheduler.placement.count(1) <= 8, f"about 120:30 counting a slice of each rate: {scheduler.placement}"
+    tiny = Scheduler([8320] * 6, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)])
+    tiny.start([Usage(0, 4 * 8320, 0.011, 0.0, 0.011), Usage(0, 2 * 8320, 0.005, 0.0, 0.005)])
+    assert tiny.placement.count(0) == 3, "writes all shorter than a slice may all be bursts: they tell no rate"
 
 
 def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():

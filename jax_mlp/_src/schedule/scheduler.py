@@ -289,11 +289,14 @@ class Scheduler:
         each path's write rate at a good part of the whole load, measured before any update. One load
         cannot tell a rate from a throttle's burst (a kernel-throttled path's whole share of a small state
         can pass in one: 12 MiB in 13 ms at 120 MB/s), so each write is taken to have had one
-        ``THROTTLE_SLICE`` of its rate free, which a state of a few seconds' writes hardly feels. Read rates
-        not measured yet are taken in the same ratio to the starting ones. The updates refine the split.
+        ``THROTTLE_SLICE`` of its rate free, which a state of a few seconds' writes hardly feels. Writes
+        that all took less than a slice may all have been bursts and tell no rate: the split stays. Read
+        rates not measured yet are taken in the same ratio to the starting ones. The updates refine the split.
         """
         self._learn(usages)
         if not self.rebalance or not all(estimate.largest("write") for estimate in self.estimates):
+            return
+        if max(usage.write_busy_seconds for usage in usages) < THROTTLE_SLICE:
             return
         speeds = []
         for estimate in self.estimates:
