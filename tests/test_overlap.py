@@ -22,6 +22,8 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_same_bits, load_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jax_mlp
 from jax_mlp._src.cli import main as cli
@@ -292,6 +294,24 @@ def test_the_fingerprint_tells_apart_arrays_that_differ_in_one_bit_or_one_place(
     assert np.array_equal(marks["same"], fingerprint(x))
     words = [tuple(np.asarray(m)) for m in marks.values()]
     assert len(set(words)) == len(words), marks
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "bfloat16", "int8"]),
+    seed=st.integers(0, 2**31 - 1),
+    place=st.integers(0, 24 * 40 - 1),
+    change=st.integers(1, 255),
+)
+def test_a_change_to_any_one_element_changes_the_fingerprint_s_first_word_and_devices_agree(dtype, seed, place, change):
+    bits = np.random.default_rng(seed).integers(0, 256, 24 * 40 * np.dtype(jnp.dtype(dtype)).itemsize, np.uint8)
+    x = bits.view(jnp.dtype(dtype)).reshape(24, 40)
+    changed = bits.copy()
+    changed[place * np.dtype(jnp.dtype(dtype)).itemsize] ^= change  # one byte of element ``place``
+    words = np.asarray(fingerprint(jnp.asarray(x)))
+    assert np.asarray(fingerprint(jnp.asarray(changed.view(x.dtype).reshape(x.shape))))[0] != words[0]
+    elsewhere = jax.device_put(x, jax.devices()[-1])  # a block fingerprints alike wherever it is computed
+    assert np.array_equal(np.asarray(fingerprint(elsewhere)), words)
 
 
 def test_the_model_puts_the_overlapped_step_at_the_larger_of_compute_and_io():

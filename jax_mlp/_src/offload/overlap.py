@@ -414,9 +414,13 @@ class Overlap:
             taken = round_.arrivals.taken(self.timeout)
         except Cancelled as error:
             return str(error)
+        finals = {  # all dispatched before the first is waited for; each as the early program was given it
+            (kind, key): fingerprint(in_memory(getattr(blocks, kind)[key], DEVICE_MEMORY))
+            for (kind, key), handed_over in taken.items()
+            if handed_over is not None
+        }
         for (kind, key), handed_over in taken.items():
-            final = in_memory(getattr(blocks, kind)[key], DEVICE_MEMORY)  # as the early program was given it
-            if handed_over is None or _bits(fingerprint(final)) != _bits(handed_over):
+            if handed_over is None or _bits(finals[kind, key]) != _bits(handed_over):
                 return (
                     f"the {kind} of param {self._plan.leaves[key[0]].path} differ from those the backward handed over"
                 )
