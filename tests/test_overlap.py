@@ -304,10 +304,11 @@ def test_the_fingerprint_tells_apart_arrays_that_differ_in_one_bit_or_one_place(
     change=st.integers(1, 255),
 )
 def test_a_change_to_any_one_element_changes_the_fingerprint_s_first_word_and_devices_agree(dtype, seed, place, change):
-    bits = np.random.default_rng(seed).integers(0, 256, 24 * 40 * np.dtype(jnp.dtype(dtype)).itemsize, np.uint8)
+    size = jnp.dtype(dtype).itemsize
+    bits = np.random.default_rng(seed).integers(0, 256, 24 * 40 * size, np.uint8)
     x = bits.view(jnp.dtype(dtype)).reshape(24, 40)
     changed = bits.copy()
-    changed[place * np.dtype(jnp.dtype(dtype)).itemsize] ^= change  # one byte of element ``place``
+    changed[place * size] ^= change  # one byte of element ``place``
     words = np.asarray(fingerprint(jnp.asarray(x)))
     assert np.asarray(fingerprint(jnp.asarray(changed.view(x.dtype).reshape(x.shape))))[0] != words[0]
     elsewhere = jax.device_put(x, jax.devices()[-1])  # a block fingerprints alike wherever it is computed

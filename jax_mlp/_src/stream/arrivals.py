@@ -37,8 +37,8 @@ def fingerprint(x: jax.Array) -> jax.Array:
     probability of about 2^-64. One variadic reduction is 4-5 times faster on a CPU than the two
     separate ones it replaced, and the check of the final grads waits for it after the backward.
     """
-    narrow = jnp.dtype(f"uint{8 * x.dtype.itemsize}") if x.dtype.itemsize < 4 else jnp.uint32
-    bits = jax.lax.bitcast_convert_type(x, narrow).reshape(-1).astype(jnp.uint32)
+    unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}") if x.dtype.itemsize < 4 else jnp.uint32
+    bits = jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
     position = jnp.arange(bits.size, dtype=jnp.uint32)
     mixed = mix32(bits ^ (position * GOLDEN))
     weights = position * np.uint32(2) + np.uint32(1)
