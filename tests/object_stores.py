@@ -155,3 +155,11 @@ class FakeGcs(Server):
     def stop(self) -> None:
         self.kill()
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def start_empty(self, bucket: str) -> None:
+        """Starts over on an empty root holding only ``bucket``, on the same port. A server killed mid-write
+        can leave a file without its metadata, and from then on every listing of the bucket comes back empty
+        (so a ``delete_range`` deletes nothing): a test that kills the server calls this after."""
+        self.stop()
+        self.start()
+        self.create_bucket(bucket)
