@@ -69,7 +69,12 @@ def test_train_linen_with_train_state_applies_gradients_outside_jit(tmp_path):
     assert result["step"] == 60
     stats = result["stats"]
     assert stats["step"] == 60 and stats["cache_misses"] > 0
-    assert all(stats[f"bytes_read[{tmp_path / name}]"] > 0 for name in ("a", "b"))
+    # Which of the two the last update's 3 reads came from is the split's: CI once found them all on b (updates
+    # this short no longer move records, tests/test_scheduler.py, but an init write slowed by a loaded machine can
+    # still set the split). Every subgroup the update took, from the cache or a path, is held on one of the two.
+    held = sum(stats[f"placement[{tmp_path / name}]"] for name in ("a", "b"))
+    assert held == stats["cache_hits"] + stats["cache_misses"], stats
+    assert sum(stats[f"bytes_read[{tmp_path / name}]"] for name in ("a", "b")) > 0
 
 
 def test_big_state_peak_rss_stays_well_below_a_state_four_times_the_cache(tmp_path):

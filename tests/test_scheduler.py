@@ -187,6 +187,28 @@ def test_a_throttle_s_burst_in_the_init_s_writes_is_not_taken_for_its_rate():
     assert tiny.placement.count(0) == 3, "writes all shorter than a slice may all be bursts: they tell no rate"
 
 
+def test_updates_shorter_than_a_throttle_slice_move_nothing():
+    """The linen example's 9 records of 8 KiB on two directories of one disk: the updates' busy times are request
+    latency and thread wake-ups, rates apart by chance, waits on I/O that no path alone would shorten. CI saw
+    such updates move records and fall back to one path. All of it may have passed in bursts: nothing moves.
+    The same rates over records 4x larger, whose busy times outlast a slice, do move them."""
+
+    def run(record: int) -> Scheduler:
+        scheduler = Scheduler([record] * 9, [PathSpeed("a", 1e9, 1e9), PathSpeed("b", 1e9, 1e9)], run_on=4, held=True)
+        for _ in range(3 * MIN_SAMPLES):
+            held = [record * scheduler.placement.count(path) for path in (0, 1)]
+            scheduler.observe(
+                [Usage(n, n, n / rate, n / rate, n / rate) for n, rate in zip(held, (4e6, 4e5), strict=True)],
+                2 * record,
+                Measured(0.03, 0.025, 0.01),
+            )
+        return scheduler
+
+    short = run(8320)  # b's 4 records take 83 ms each way
+    assert short.moves == 0 and not short.fallback and short.placement.count(1) == 4, short.placement
+    assert run(4 * 8320).moves > 0, "the same rates measured over more than a slice say b is the slower"
+
+
 def test_the_scheduler_moves_subgroups_to_the_faster_path_after_a_slowdown():
     scheduler = Scheduler([1000] * 40, [PathSpeed("a", 1e8, 1e8), PathSpeed("b", 1e8, 1e8)])
     assert scheduler.shares == (0.5, 0.5)

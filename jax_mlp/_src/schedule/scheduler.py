@@ -18,6 +18,8 @@
   loads, a move goes halfway to the split it computes. It moves subgroups only when the
   predicted gain is above a tenth of the update and above the extra time of the moving update, and
   a moved subgroup stays put for a few updates, so the placement settles instead of swinging.
+  An update in which every path was busy for less than a throttle slice moves nothing: all of it
+  may have passed in bursts, and tiny loads measure latency, not rates.
   Records never go back the way others came (from the path they were moved to, to the one they
   left) until some path's measurements change: a throttle lets a lightly loaded path look faster
   than it is (it lets a burst through after each pause), so the path that gave records away looks
@@ -268,7 +270,7 @@ class Scheduler:
         if measured is not None and math.isfinite(measured.idle):
             self._idle.append(measured.idle)
         loads = self.loads(cache_bytes)
-        if not self.rebalance or not self._measured(loads):
+        if not self.rebalance or not self._measured(loads) or _burst_only(usages):
             return
         if measured is not None and not changed and self.updates - max(self._moved_at) > 1:  # not a moving update
             self._settled.append(measured)
@@ -296,7 +298,7 @@ class Scheduler:
         self._learn(usages)
         if not self.rebalance or not all(estimate.largest("write") for estimate in self.estimates):
             return
-        if max(usage.write_busy_seconds for usage in usages) < THROTTLE_SLICE:
+        if _burst_only(usages):
             return
         speeds = []
         for estimate in self.estimates:
@@ -453,6 +455,15 @@ class Scheduler:
         """Whether every path has enough measurements of each direction the updates use."""
         kinds = [kind for kind, used in (("read", loads.read), ("write", loads.write)) if any(used)]
         return bool(kinds) and all(estimate.measured(kind) for estimate in self.estimates for kind in kinds)
+
+
+def _burst_only(usages: Sequence[Usage]) -> bool:
+    """Whether every path was busy for less than a throttle slice: all of it may have passed in bursts.
+
+    Such loads bound each rate from below and say nothing of their ratio (two directories on one disk moving
+    a few KiB measure request latency and thread wake-ups), so they neither split nor move records.
+    """
+    return max(usage.busy_seconds for usage in usages) < THROTTLE_SLICE
 
 
 def _significant(offs: Sequence[dict[str, float]], usages: Sequence[Usage]) -> list[dict[str, float]]:
