@@ -357,13 +357,15 @@ def test_traffic_meters_busy_time_per_direction_and_their_union():
 
 
 def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path):
-    params = {"w": jnp.full((512, 256), 0.5, jnp.float32)}  # 1 MiB of adam state: 64 subgroups of 16 KiB
-    fast = jax_mlp.Path(tmp_path / "fast", max_read="16MB/s", max_write="16MB/s")
-    slow = jax_mlp.Path(tmp_path / "slow", max_read="16MB/s", max_write="16MB/s")
+    # 2 MiB of adam state in 32 subgroups of 64 KiB: records of 16 KiB on a loaded machine move at the request
+    # latency's rate (2-3 MB/s, CI found no move), so the records are large enough that the caps set the rates.
+    params = {"w": jnp.full((512, 512), 0.5, jnp.float32)}
+    fast = jax_mlp.Path(tmp_path / "fast", max_read="64MB/s", max_write="64MB/s")
+    slow = jax_mlp.Path(tmp_path / "slow", max_read="64MB/s", max_write="64MB/s")
     log = tmp_path / "run.jsonl"
-    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[fast, slow], subgroup_size="16KiB", log_to=log) as tx:
+    with jax_mlp.mlp_offload(optax.adam(1e-2), paths=[fast, slow], subgroup_size="64KiB", log_to=log) as tx:
         state = tx.init(params)
-        tx.set_caps(1, max_read="4MB/s", max_write="4MB/s")  # the split of equal caps no longer fits
+        tx.set_caps(1, max_read="2MB/s", max_write="2MB/s")  # the split of equal caps no longer fits
         for step in range(8):
             _, state = tx.update(jax.tree.map(lambda p, s=step: p * 0.1 + s, params), state, params)
         scheduler = tx.scheduler
@@ -372,7 +374,7 @@ def test_stats_and_report_show_the_moves_and_each_direction_s_estimate(tmp_path)
     assert not any(line["fallback"] for line in lines)
     estimate = lines[-1]["bandwidth"]
     assert estimate[str(tmp_path / "slow")]["read"] < estimate[str(tmp_path / "fast")]["read"]
-    assert estimate[str(tmp_path / "slow")]["write"] <= 4e6 * 1.05
+    assert estimate[str(tmp_path / "slow")]["write"] <= 2e6 * 1.05
     figure = report.make_figure(report.load_log(log))
     titles = [ax.get_title() for ax in figure.axes]
     assert any(title.startswith(f"{plots.PLACEMENT} ({scheduler.moves} moved in") for title in titles), titles
