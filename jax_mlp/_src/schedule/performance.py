@@ -71,6 +71,7 @@ class Prediction(NamedTuple):
     ``fill_seconds`` is the pipeline's fill: the first record's read (unless read ahead) before any
     write can start, and the last record's write after its compute, each on a path drawn by the shares
     (the placement interleaves them, so the first and last records are no more often on the slowest).
+    ``drain_seconds`` is that last write alone.
     """
 
     seconds: float
@@ -81,6 +82,7 @@ class Prediction(NamedTuple):
     idle_write_bytes: float
     idle_io_seconds: float = 0.0
     fill_seconds: float = 0.0
+    drain_seconds: float = 0.0
 
 
 def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
@@ -227,9 +229,16 @@ def predict(
     )
     spill = max(0.0, idle_seconds_needed - idle_seconds)  # the idle-time I/O the next update waits for
     seconds = max(max(path_seconds), compute_seconds) + read_fill + max(write_fill, spill)
-    fill = read_fill + write_fill
     return Prediction(
-        seconds, shares, bytes_read, bytes_written, path_seconds, idle * record_bytes, idle_seconds_needed, fill
+        seconds,
+        shares,
+        bytes_read,
+        bytes_written,
+        path_seconds,
+        idle * record_bytes,
+        idle_seconds_needed,
+        fill_seconds=read_fill + write_fill,
+        drain_seconds=write_fill,
     )
 
 
@@ -257,7 +266,8 @@ def predict_step(
     written before its subgroup's grads exist: the first subgroup's come ``F_bwd / N`` into the
     backward. So the I/O ends at ``max(F_fwd + D + fill - min(idle, F_fwd), F_fwd + F_bwd / N + W)``, with
     ``W`` the update's own writes on the slowest path, and the step is the larger of that and ``F``,
-    plus the last subgroup's compute after its grads arrive.
+    plus the last subgroup's compute after its grads arrive. As in :func:`predict`, the last record's
+    write drains among the idle-time I/O that did not fit in the forward: only what it outlasts adds.
 
     Args:
       paths: the paths and their bandwidths.
@@ -284,7 +294,9 @@ def predict_step(
     writes = max(factor * p.seconds(0.0, written) for p, written in zip(paths, one.bytes_written, strict=True))
     forward = FORWARD_SHARE * forward_backward_seconds
     first_grads = forward + (forward_backward_seconds - forward) / num_records
-    io = max(forward + step_io + one.fill_seconds - min(one.idle_io_seconds, forward), first_grads + writes)
+    spilled = max(0.0, one.idle_io_seconds - forward)  # idle-time I/O left to run beside the update
+    fill = one.fill_seconds - one.drain_seconds + max(0.0, one.drain_seconds - spilled)
+    io = max(forward + step_io + fill - min(one.idle_io_seconds, forward), first_grads + writes)
     tail = update.get("compute_seconds", 0.0) / num_records
     return max(forward_backward_seconds, io) + tail
 
