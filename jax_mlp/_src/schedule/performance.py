@@ -69,9 +69,9 @@ class Prediction(NamedTuple):
     ``idle_io_seconds`` is the I/O the update leaves to the idle time around it (the write-back of the
     cache, the first reads ahead): it has to fit in the forward and backward, or the update waits.
     ``fill_seconds`` is the pipeline's fill: the first record's read (unless read ahead) before any
-    write can start, and the last record's write after its compute, each on a path drawn by the shares
-    (the placement interleaves them, so the first and last records are no more often on the slowest).
-    ``drain_seconds`` is that last write alone.
+    write can start (``read_fill_seconds``), and the last record's write after its compute
+    (``drain_seconds``), each on a path drawn by the shares (the placement interleaves them, so the
+    first and last records are no more often on the slowest).
     """
 
     seconds: float
@@ -81,8 +81,13 @@ class Prediction(NamedTuple):
     path_seconds: tuple[float, ...]
     idle_write_bytes: float
     idle_io_seconds: float = 0.0
-    fill_seconds: float = 0.0
+    read_fill_seconds: float = 0.0
     drain_seconds: float = 0.0
+
+    @property
+    def fill_seconds(self) -> float:
+        """The pipeline's fill: the first read and the last write."""
+        return self.read_fill_seconds + self.drain_seconds
 
 
 def best_split(paths: Sequence[PathSpeed]) -> tuple[float, ...]:
@@ -237,7 +242,7 @@ def predict(
         path_seconds,
         idle * record_bytes,
         idle_seconds_needed,
-        fill_seconds=read_fill + write_fill,
+        read_fill_seconds=read_fill,
         drain_seconds=write_fill,
     )
 
@@ -295,7 +300,7 @@ def predict_step(
     forward = FORWARD_SHARE * forward_backward_seconds
     first_grads = forward + (forward_backward_seconds - forward) / num_records
     spilled = max(0.0, one.idle_io_seconds - forward)  # idle-time I/O left to run beside the update
-    fill = one.fill_seconds - one.drain_seconds + max(0.0, one.drain_seconds - spilled)
+    fill = one.read_fill_seconds + max(0.0, one.drain_seconds - spilled)
     io = max(forward + step_io + fill - min(one.idle_io_seconds, forward), first_grads + writes)
     tail = update.get("compute_seconds", 0.0) / num_records
     return max(forward_backward_seconds, io) + tail
